@@ -1,0 +1,546 @@
+"""The one ctypes boundary of loramux: llama.cpp (through llama-cpp-python's low-level module) and ggml.
+
+Everything above this module sees Python values and typed errors. This module:
+- checks at import that the binding is the pinned llama-cpp-python (internals differ between builds);
+- turns NULL handles and negative status codes into `BackendError(function=..., code=...)`;
+- owns handle lifetimes (idempotent `close()`, context managers, callbacks kept referenced);
+- mirrors `struct ggml_tensor` to find and rewrite adapter tensors in place, and checks the mirror
+  against the library before any write;
+- routes llama.cpp's log to Python `logging` (logger ``loramux.llama``, quiet unless configured).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from .errors import BackendError
+
+PINNED_VERSION = "0.3.36"
+
+try:
+    import llama_cpp
+    import llama_cpp.llama_cpp as C
+except ImportError as e:  # pragma: no cover - install problem
+    raise BackendError("import llama_cpp", None, str(e),
+                       hint=f"install the pinned binding: pip install llama-cpp-python=={PINNED_VERSION}") from e
+
+if getattr(llama_cpp, "__version__", None) != PINNED_VERSION:  # pragma: no cover - install problem
+    raise BackendError("import llama_cpp", None,
+                       f"loramux needs llama-cpp-python {PINNED_VERSION}, found {llama_cpp.__version__}",
+                       hint=f"pip install llama-cpp-python=={PINNED_VERSION} (in-place writes rely on this build's internals)")
+
+log = logging.getLogger("loramux.llama")
+
+# --------------------------------------------------------------------------------------------
+# Library setup: backend, log routing, libggml-base
+# --------------------------------------------------------------------------------------------
+
+# enum ggml_log_level: NONE 0, DEBUG 1, INFO 2, WARN 3, ERROR 4, CONT 5 (continues the previous line)
+_LEVELS = {1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR}
+_last_level = [logging.DEBUG]
+# Quiet by default: llama.cpp is chatty. Configure logging (or --log-level) to see it.
+log.addHandler(logging.NullHandler())
+
+
+@C.llama_log_callback
+def _log_cb(level: int, text: bytes, _user: Any) -> None:
+    # Runs on llama.cpp's threads; logging is thread-safe. Never raise into C.
+    try:
+        lvl = _last_level[0] if level == 5 else _LEVELS.get(level, logging.DEBUG)
+        _last_level[0] = lvl
+        msg = text.decode("utf-8", errors="replace").rstrip("\n")
+        if msg and log.isEnabledFor(lvl):
+            log.log(lvl, msg)
+    except Exception:  # noqa: BLE001
+        pass
+
+
+C.llama_log_set(_log_cb, ctypes.c_void_p(0))
+C.llama_backend_init()
+
+
+def _load_ggml() -> ctypes.CDLL:
+    # The wheel ships several copies of libggml-base; opening one by path would map a second ggml
+    # whose globals differ from the one libllama uses. Take the already-loaded one by SONAME.
+    mode = os.RTLD_NOLOAD | os.RTLD_GLOBAL
+    for name in ("libggml-base.so.0", "libggml-base.so", "libggml-base.dylib"):
+        try:
+            return ctypes.CDLL(name, mode=mode)
+        except OSError:
+            continue
+    libdir = os.path.join(os.path.dirname(llama_cpp.__file__), "lib")
+    for name in sorted(os.listdir(libdir)) if os.path.isdir(libdir) else []:
+        if name.startswith("libggml-base"):
+            try:
+                return ctypes.CDLL(os.path.join(libdir, name), mode=mode)
+            except OSError:
+                continue
+    raise BackendError("dlopen libggml-base", None, "libggml-base is not loaded in this process",
+                       hint="reinstall llama-cpp-python; loramux needs the ggml it ships")
+
+
+_ggml = _load_ggml()
+_ggml.ggml_backend_tensor_set.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
+_ggml.ggml_backend_tensor_set.restype = None
+_ggml.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
+_ggml.ggml_backend_tensor_get.restype = None
+_ggml.ggml_nbytes.argtypes = [ctypes.c_void_p]
+_ggml.ggml_nbytes.restype = ctypes.c_size_t
+_ggml.ggml_get_name.argtypes = [ctypes.c_void_p]
+_ggml.ggml_get_name.restype = ctypes.c_char_p
+_ggml.ggml_op_name.argtypes = [ctypes.c_int]
+_ggml.ggml_op_name.restype = ctypes.c_char_p
+_ggml.ggml_tensor_overhead.argtypes = []
+_ggml.ggml_tensor_overhead.restype = ctypes.c_size_t
+
+
+class GgmlTensor(ctypes.Structure):
+    """Mirror of `struct ggml_tensor` (ggml/include/ggml.h of the pinned llama.cpp)."""
+
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("buffer", ctypes.c_void_p),
+        ("ne", ctypes.c_int64 * 4),
+        ("nb", ctypes.c_size_t * 4),
+        ("op", ctypes.c_int),
+        ("op_params", ctypes.c_int32 * 16),
+        ("flags", ctypes.c_int32),
+        ("src", ctypes.c_void_p * 10),
+        ("view_src", ctypes.c_void_p),
+        ("view_offs", ctypes.c_size_t),
+        ("data", ctypes.c_void_p),
+        ("name", ctypes.c_char * 64),
+        ("extra", ctypes.c_void_p),
+        ("padding", ctypes.c_char * 8),
+    ]
+
+
+_TENSOR_SIZE = 336
+if ctypes.sizeof(GgmlTensor) != _TENSOR_SIZE or _ggml.ggml_tensor_overhead() < _TENSOR_SIZE:
+    raise BackendError("ggml_tensor layout", None,
+                       f"struct mirror is {ctypes.sizeof(GgmlTensor)} bytes, expected {_TENSOR_SIZE}",
+                       hint="this platform or ggml build is not supported for in-place writes")
+
+
+def _find_op(name: str) -> int:
+    for i in range(200):
+        op = _ggml.ggml_op_name(i)
+        if op is None:
+            break
+        if op.decode() == name:
+            return i
+    raise BackendError("ggml_op_name", None, f"op {name} not found")
+
+
+OP_MUL_MAT = _find_op("MUL_MAT")
+GGML_TYPE_SIZE = {0: 4, 1: 2, 30: 2}  # F32, F16, BF16: bytes per element
+
+EvalCallback = Callable[[int, bool], bool]  # (tensor pointer, ask) -> bool
+
+
+def tensor_view(ptr: int) -> GgmlTensor:
+    """The ggml_tensor at `ptr` (valid only while its owner lives)."""
+    return GgmlTensor.from_address(ptr)
+
+
+def tensor_name(ptr: int) -> str:
+    return (_ggml.ggml_get_name(ptr) or b"").decode("utf-8", errors="replace")
+
+
+def tensor_nbytes(ptr: int) -> int:
+    return int(_ggml.ggml_nbytes(ptr))
+
+
+def tensor_set(ptr: int, data: np.ndarray, offset: int = 0) -> None:
+    """Copy a contiguous array into a backend tensor (any backend: CPU, GPU)."""
+    _ggml.ggml_backend_tensor_set(ptr, data.ctypes.data, offset, data.nbytes)
+
+
+def tensor_get(ptr: int, out: np.ndarray, offset: int = 0) -> np.ndarray:
+    """Copy a backend tensor's bytes into the contiguous array `out` and return it."""
+    _ggml.ggml_backend_tensor_get(ptr, out.ctypes.data, offset, out.nbytes)
+    return out
+
+
+def system_info() -> str:
+    return C.llama_print_system_info().decode("utf-8", errors="replace")
+
+
+def binding_version() -> str:
+    return str(llama_cpp.__version__)
+
+
+# --------------------------------------------------------------------------------------------
+# Handles
+# --------------------------------------------------------------------------------------------
+
+class _Handle:
+    """A native pointer with an idempotent close()."""
+
+    _free: Callable[[Any], None]
+
+    def __init__(self, ptr: Any) -> None:
+        self._ptr = ptr
+        self._lock = threading.Lock()
+
+    @property
+    def ptr(self) -> Any:
+        if self._ptr is None:
+            raise BackendError(type(self).__name__, None, "handle used after close()")
+        return self._ptr
+
+    @property
+    def closed(self) -> bool:
+        return self._ptr is None
+
+    def close(self) -> None:
+        with self._lock:
+            if self._ptr is not None:
+                ptr, self._ptr = self._ptr, None
+                type(self)._free(ptr)
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # last resort; explicit close() is the contract
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+class ModelHandle(_Handle):
+    """A loaded `llama_model` plus its vocabulary."""
+
+    _free = staticmethod(C.llama_model_free)
+
+    @classmethod
+    def load(cls, path: str, *, n_gpu_layers: int = 0, use_mmap: bool = True, use_mlock: bool = False,
+             vocab_only: bool = False) -> ModelHandle:
+        p = C.llama_model_default_params()
+        p.n_gpu_layers = n_gpu_layers
+        if hasattr(p, "use_mmap"):
+            p.use_mmap = use_mmap
+            p.use_mlock = use_mlock
+        elif hasattr(p, "load_mode"):
+            # this binding replaced use_mmap/use_mlock with load_mode (0 = mmap, see llama.h)
+            p.load_mode = 0 if use_mmap else _load_mode_no_mmap()
+        p.vocab_only = vocab_only
+        ptr = C.llama_model_load_from_file(os.fsencode(path), p)
+        if not ptr:
+            raise BackendError("llama_model_load_from_file", None, f"could not load {path}",
+                               hint="the log (logger 'loramux.llama') has llama.cpp's reason")
+        h = cls(ptr)
+        h.vocab = C.llama_model_get_vocab(ptr)
+        return h
+
+    @property
+    def n_embd(self) -> int:
+        return int(C.llama_model_n_embd(self.ptr))
+
+    @property
+    def n_layer(self) -> int:
+        return int(C.llama_model_n_layer(self.ptr))
+
+    @property
+    def n_vocab(self) -> int:
+        return int(C.llama_vocab_n_tokens(self.vocab))
+
+    @property
+    def n_ctx_train(self) -> int:
+        return int(C.llama_model_n_ctx_train(self.ptr))
+
+    def desc(self) -> str:
+        buf = ctypes.create_string_buffer(256)
+        C.llama_model_desc(self.ptr, buf, 256)
+        return buf.value.decode("utf-8", errors="replace")
+
+    def size(self) -> int:
+        return int(C.llama_model_size(self.ptr))
+
+    def meta(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(4096)
+        n = C.llama_model_meta_val_str(self.ptr, key.encode(), buf, 4096)
+        return None if n < 0 else buf.value.decode("utf-8", errors="replace")
+
+    def chat_template(self) -> str | None:
+        t = C.llama_model_chat_template(self.ptr, None)
+        return t.decode("utf-8", errors="replace") if t else None
+
+    # -- vocabulary --------------------------------------------------------------------------
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        data = text.encode("utf-8")
+        cap = len(data) + 16
+        buf = (C.llama_token * cap)()
+        n = C.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, parse_special)
+        if n < 0:
+            cap = -n
+            buf = (C.llama_token * cap)()
+            n = C.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, parse_special)
+            if n < 0:
+                raise BackendError("llama_tokenize", n)
+        return list(buf[:n])
+
+    def token_bytes(self, token: int, special: bool = False) -> bytes:
+        buf = ctypes.create_string_buffer(64)
+        n = C.llama_token_to_piece(self.vocab, token, buf, 64, 0, special)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = C.llama_token_to_piece(self.vocab, token, buf, -n, 0, special)
+        return buf.raw[: max(n, 0)]
+
+    def is_eog(self, token: int) -> bool:
+        return bool(C.llama_vocab_is_eog(self.vocab, token))
+
+    @property
+    def bos(self) -> int:
+        return int(C.llama_vocab_bos(self.vocab))
+
+    @property
+    def eos(self) -> int:
+        return int(C.llama_vocab_eos(self.vocab))
+
+    @property
+    def add_bos(self) -> bool:
+        return bool(C.llama_vocab_get_add_bos(self.vocab))
+
+
+def _load_mode_no_mmap() -> int:
+    return int(getattr(C, "LLAMA_LOAD_MODE_NONE", 1))
+
+
+class AdapterHandle(_Handle):
+    """A `llama_adapter_lora` loaded against a model."""
+
+    _free = staticmethod(C.llama_adapter_lora_free)
+
+    @classmethod
+    def load(cls, model: ModelHandle, path: str) -> AdapterHandle:
+        ptr = C.llama_adapter_lora_init(model.ptr, os.fsencode(path))
+        if not ptr:
+            raise BackendError("llama_adapter_lora_init", None, f"llama.cpp refused {path}",
+                               hint="the log (logger 'loramux.llama') has llama.cpp's reason")
+        return cls(ptr)
+
+    def alora_invocation_tokens(self) -> list[int]:
+        n = int(C.llama_adapter_get_alora_n_invocation_tokens(self.ptr))
+        if n == 0:
+            return []
+        toks = C.llama_adapter_get_alora_invocation_tokens(self.ptr)
+        return [int(toks[i]) for i in range(n)]
+
+
+class ContextHandle(_Handle):
+    """A `llama_context`: KV cache, batches, logits, adapter set, control vector, eval callback."""
+
+    _free = staticmethod(C.llama_free)
+
+    @classmethod
+    def create(cls, model: ModelHandle, *, n_ctx: int, n_batch: int, n_ubatch: int, n_seq_max: int,
+               n_threads: int, n_threads_batch: int, kv_unified: bool = False, flash_attn: bool = False,
+               callback: EvalCallback | None = None) -> ContextHandle:
+        p = C.llama_context_default_params()
+        p.n_ctx, p.n_batch, p.n_ubatch, p.n_seq_max = n_ctx, n_batch, n_ubatch, n_seq_max
+        p.n_threads, p.n_threads_batch = n_threads, n_threads_batch
+        p.kv_unified = kv_unified
+        p.flash_attn_type = C.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else C.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        p.no_perf = True
+        cb = None
+        if callback is not None:
+            cb = _make_eval_callback(callback)
+            p.cb_eval = cb
+            p.cb_eval_user_data = None
+        ptr = C.llama_init_from_model(model.ptr, p)
+        if not ptr:
+            raise BackendError("llama_init_from_model", None, f"could not create a context (n_ctx={n_ctx})",
+                               hint="lower n_ctx / n_parallel, or free memory")
+        h = cls(ptr)
+        h.model = model
+        h._cb = cb  # the C side keeps a raw pointer: keep the Python object alive as long as the context
+        h.n_ctx = int(C.llama_n_ctx(ptr))
+        h.n_vocab = model.n_vocab
+        h.n_seq_max = n_seq_max
+        h._adapters: tuple[tuple[int, float], ...] = ()
+        return h
+
+    def decode(self, batch: Batch) -> None:
+        rc = C.llama_decode(self.ptr, batch.struct)
+        if rc != 0:
+            detail = {1: "no KV cache slot for the batch (context full)", 2: "aborted",
+                      -1: "invalid batch"}.get(rc, "")
+            raise BackendError("llama_decode", rc, detail)
+
+    def logits_row(self, i: int) -> np.ndarray:
+        """Copy of the logits of output row `i` of the last batch (-1: the last)."""
+        ptr = C.llama_get_logits_ith(self.ptr, i)
+        if not ptr:
+            raise BackendError("llama_get_logits_ith", None, f"no logits for row {i}")
+        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
+
+    def set_adapters(self, adapters: Sequence[AdapterHandle], scales: Sequence[float]) -> None:
+        """Set the context's adapter set (llama.cpp re-reserves the graph on the next decode)."""
+        key = tuple((int(ctypes.cast(a.ptr, ctypes.c_void_p).value or 0), float(s))
+                    for a, s in zip(adapters, scales))
+        if key == self._adapters:
+            return
+        n = len(adapters)
+        arr = (C.llama_adapter_lora_p_ctypes * max(n, 1))(*[a.ptr for a in adapters])
+        sc = (ctypes.c_float * max(n, 1))(*scales)
+        rc = C.llama_set_adapters_lora(self.ptr, arr if n else None, n, sc if n else None)
+        if rc != 0:
+            raise BackendError("llama_set_adapters_lora", rc)
+        self._adapters = key
+
+    def set_control_vector(self, data: np.ndarray | None, n_embd: int, il_start: int, il_end: int) -> None:
+        """Apply a control vector (data: n_layer × n_embd, layers 1..n_layer) or clear it (None)."""
+        if data is None:
+            rc = C.llama_set_adapter_cvec(self.ptr, None, 0, n_embd, 0, 0)
+        else:
+            flat = np.ascontiguousarray(data, dtype=np.float32).ravel()
+            self._cvec = flat  # keep alive until replaced
+            rc = C.llama_set_adapter_cvec(self.ptr, flat.ctypes.data_as(ctypes.POINTER(ctypes.c_float)),
+                                          flat.size, n_embd, il_start, il_end)
+        if rc != 0:
+            raise BackendError("llama_set_adapter_cvec", rc)
+
+    def memory_seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
+        mem = C.llama_get_memory(self.ptr)
+        return bool(C.llama_memory_seq_rm(mem, seq_id, p0, p1))
+
+    def memory_clear(self) -> None:
+        C.llama_memory_clear(C.llama_get_memory(self.ptr), True)
+
+    def memory_seq_pos_max(self, seq_id: int) -> int:
+        return int(C.llama_memory_seq_pos_max(C.llama_get_memory(self.ptr), seq_id))
+
+    def synchronize(self) -> None:
+        C.llama_synchronize(self.ptr)
+
+    def set_threads(self, n_threads: int, n_threads_batch: int) -> None:
+        C.llama_set_n_threads(self.ptr, n_threads, n_threads_batch)
+
+
+def _make_eval_callback(fn: EvalCallback) -> Any:
+    def trampoline(t: int, ask: bool, _user: Any) -> bool:
+        # An exception in an ask=False call would silently truncate the graph: never let one out.
+        try:
+            return bool(fn(t, ask))
+        except Exception:  # noqa: BLE001
+            log.exception("eval callback failed")
+            return not ask
+    return C.ggml_backend_sched_eval_callback(trampoline)
+
+
+class Batch:
+    """A `llama_batch` over numpy buffers we own: filling it is vectorised, not a per-token loop."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.token = np.zeros(capacity, dtype=np.int32)
+        self.pos = np.zeros(capacity, dtype=np.int32)
+        self.n_seq_id = np.ones(capacity, dtype=np.int32)
+        self.seq = np.zeros(capacity, dtype=np.int32)
+        # seq_id[i] points at seq[i]: one sequence per token.
+        self.seq_ptrs = (self.seq.ctypes.data + 4 * np.arange(capacity, dtype=np.uint64)).astype(np.uint64)
+        self.logits = np.zeros(capacity, dtype=np.int8)
+        self.struct = C.llama_batch()
+        self.struct.token = self.token.ctypes.data_as(ctypes.POINTER(C.llama_token))
+        self.struct.embd = None
+        self.struct.pos = self.pos.ctypes.data_as(ctypes.POINTER(C.llama_pos))
+        self.struct.n_seq_id = self.n_seq_id.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+        self.struct.seq_id = ctypes.cast(self.seq_ptrs.ctypes.data, ctypes.POINTER(ctypes.POINTER(C.llama_seq_id)))
+        self.struct.logits = self.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
+        self.n = 0
+
+    def clear(self) -> None:
+        self.n = 0
+        self.struct.n_tokens = 0
+
+    def add(self, tokens: Sequence[int] | np.ndarray, pos0: int, seq_id: int, logits: bool | Sequence[bool]) -> None:
+        """Append tokens of one sequence at positions pos0.. ; `logits` per token or for all."""
+        k = len(tokens)
+        if self.n + k > self.capacity:
+            raise BackendError("llama_batch", None, f"batch capacity {self.capacity} exceeded")
+        s = slice(self.n, self.n + k)
+        self.token[s] = tokens
+        self.pos[s] = np.arange(pos0, pos0 + k, dtype=np.int32)
+        self.seq[s] = seq_id
+        self.logits[s] = np.asarray(logits, dtype=np.int8) if not isinstance(logits, bool) else int(logits)
+        self.n += k
+        self.struct.n_tokens = self.n
+
+
+# --------------------------------------------------------------------------------------------
+# Samplers
+# --------------------------------------------------------------------------------------------
+
+class SamplerHandle(_Handle):
+    """llama.cpp's sampler chain: penalties → top_k → top_p → min_p → temperature → dist (or greedy)."""
+
+    _free = staticmethod(C.llama_sampler_free)
+
+    @classmethod
+    def chain(cls, model: ModelHandle, *, temperature: float, top_k: int, top_p: float, min_p: float,
+              repeat_penalty: float, repeat_last_n: int, frequency_penalty: float, presence_penalty: float,
+              seed: int) -> SamplerHandle:
+        ch = C.llama_sampler_chain_init(C.llama_sampler_chain_default_params())
+        h = cls(ch)
+        add = lambda s: C.llama_sampler_chain_add(ch, s)  # noqa: E731 - the chain owns each sampler
+        if repeat_penalty != 1.0 or frequency_penalty or presence_penalty:
+            add(_penalties(model, repeat_last_n, repeat_penalty, frequency_penalty, presence_penalty))
+        if temperature <= 0:
+            add(C.llama_sampler_init_greedy())
+            return h
+        if top_k > 0:
+            add(C.llama_sampler_init_top_k(top_k))
+        if top_p < 1.0:
+            add(C.llama_sampler_init_top_p(top_p, 1))
+        if min_p > 0:
+            add(C.llama_sampler_init_min_p(min_p, 1))
+        add(C.llama_sampler_init_temp(temperature))
+        add(C.llama_sampler_init_dist(seed & 0xFFFFFFFF))
+        return h
+
+    def sample(self, ctx: ContextHandle, idx: int) -> int:
+        return int(C.llama_sampler_sample(self.ptr, ctx.ptr, idx))
+
+    def accept(self, token: int) -> None:
+        C.llama_sampler_accept(self.ptr, token)
+
+
+def _penalties(model: ModelHandle, last_n: int, repeat: float, freq: float, present: float) -> Any:
+    argtypes = getattr(C.llama_sampler_init_penalties, "argtypes", None) or []
+    if len(argtypes) == 5:  # some bindings take n_vocab first
+        return C.llama_sampler_init_penalties(model.n_vocab, last_n, repeat, freq, present)
+    return C.llama_sampler_init_penalties(last_n, repeat, freq, present)
+
+
+# --------------------------------------------------------------------------------------------
+# Quantization (used by merge)
+# --------------------------------------------------------------------------------------------
+
+def model_quantize(src_path: str, dst_path: str, ftype: int, nthread: int = 0) -> None:
+    """Quantize a GGUF model with llama.cpp's `llama_model_quantize`."""
+    p = C.llama_model_quantize_default_params()
+    p.nthread = nthread
+    p.ftype = ftype
+    rc = C.llama_model_quantize(os.fsencode(src_path), os.fsencode(dst_path), ctypes.byref(p))
+    if rc != 0:
+        raise BackendError("llama_model_quantize", rc, f"{src_path} → {dst_path} (ftype {ftype})")
+
+
+FTYPES: dict[str, int] = {
+    name[len("LLAMA_FTYPE_MOSTLY_"):]: int(getattr(C, name))
+    for name in dir(C) if name.startswith("LLAMA_FTYPE_MOSTLY_")
+}
+FTYPES["F32"] = int(getattr(C, "LLAMA_FTYPE_ALL_F32", 0))

@@ -1,0 +1,207 @@
+"""Typed errors of loramux.
+
+Every error carries structured fields (the file, adapter, parameter it concerns) and a message that
+says what went wrong and what to do next. Validation collects *all* problems and raises once, so a
+user fixes a bad file in one round instead of one problem per attempt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class LoramuxError(Exception):
+    """Base class of every error loramux raises on purpose."""
+
+    #: Short machine-readable kind, used by the server to build OpenAI-shaped error bodies.
+    code: str = "loramux_error"
+
+    def __init__(self, message: str, *, problems: Iterable[str] = (), hint: str | None = None) -> None:
+        self.problems: list[str] = list(problems)
+        self.hint = hint
+        text = message
+        if self.problems:
+            text += "".join(f"\n  - {p}" for p in self.problems)
+        if hint:
+            text += f"\n  → {hint}"
+        super().__init__(text)
+        self.message = message
+
+
+class BackendError(LoramuxError):
+    """llama.cpp or ggml returned an error (NULL handle, negative status) or its internals changed."""
+
+    code = "backend_error"
+
+    def __init__(self, function: str, code: int | None = None, detail: str = "", *, hint: str | None = None):
+        self.function = function
+        self.return_code = code
+        msg = f"llama.cpp call {function} failed"
+        if code is not None:
+            msg += f" (returned {code})"
+        if detail:
+            msg += f": {detail}"
+        super().__init__(msg, hint=hint)
+
+
+class ModelError(LoramuxError):
+    """The base model file cannot be used."""
+
+    code = "model_error"
+
+    def __init__(self, path: str, message: str, *, problems: Iterable[str] = (), hint: str | None = None):
+        self.path = str(path)
+        super().__init__(f"{path}: {message}", problems=problems, hint=hint)
+
+
+class AdapterError(LoramuxError):
+    """An adapter file is invalid or does not fit the base model. Lists every problem found."""
+
+    code = "invalid_adapter"
+
+    def __init__(self, path: str, message: str, *, problems: Iterable[str] = (), hint: str | None = None,
+                 name: str | None = None):
+        self.path = str(path)
+        self.name = name
+        super().__init__(f"adapter {path}: {message}", problems=problems, hint=hint)
+
+
+class AdapterNotFoundError(LoramuxError, KeyError):
+    """An adapter name that is not loaded was asked for."""
+
+    code = "adapter_not_found"
+
+    def __init__(self, name: str, known: Iterable[str] = ()):
+        self.name = name
+        self.known = sorted(known)
+        known_txt = ", ".join(self.known) if self.known else "none loaded"
+        LoramuxError.__init__(self, f"no adapter named {name!r} is loaded (loaded: {known_txt})",
+                              hint="load it first with set_lora(...) or check the spelling")
+
+    def __str__(self) -> str:  # KeyError would quote the message otherwise
+        return LoramuxError.__str__(self)
+
+
+class FactorError(LoramuxError):
+    """An in-place factor write or read was refused (unknown factor, shape, rank, non-finite values)."""
+
+    code = "invalid_factors"
+
+    def __init__(self, adapter: str, message: str, *, problems: Iterable[str] = (), factor: str | None = None):
+        self.adapter = adapter
+        self.factor = factor
+        super().__init__(f"adapter {adapter!r}: {message}", problems=problems)
+
+
+class ScaleError(LoramuxError, ValueError):
+    """A scale or strength is not a finite number."""
+
+    code = "invalid_scale"
+
+
+class SourceError(LoramuxError):
+    """An adapter source (path, URL, hf://) could not be parsed or resolved."""
+
+    code = "invalid_source"
+
+    def __init__(self, source: str, message: str, *, hint: str | None = None, problems: Iterable[str] = ()):
+        self.source = source
+        super().__init__(f"{source}: {message}", hint=hint, problems=problems)
+
+
+class DownloadError(SourceError):
+    """A download failed (HTTP status, timeout, truncated body, wrong content)."""
+
+    code = "download_failed"
+
+    def __init__(self, source: str, message: str, *, status: int | None = None, hint: str | None = None):
+        self.status = status
+        super().__init__(source, message, hint=hint)
+
+
+class ChecksumError(DownloadError):
+    """A downloaded file's sha256 differs from the pinned one; nothing was published."""
+
+    code = "checksum_mismatch"
+
+    def __init__(self, source: str, expected: str, actual: str):
+        self.expected = expected
+        self.actual = actual
+        super().__init__(source, f"sha256 mismatch: expected {expected}, got {actual}",
+                         hint="the file changed upstream or the pin is wrong; nothing was saved under the final name")
+
+
+class DownloadCancelled(SourceError):
+    """A download was cancelled through its cancel token; the partial file is kept for a later resume."""
+
+    code = "download_cancelled"
+
+    def __init__(self, source: str, received: int = 0):
+        self.received = received
+        super().__init__(source, f"download cancelled after {received} bytes",
+                         hint="run the same pull again to resume from the partial file")
+
+
+class ConversionError(LoramuxError):
+    """A PEFT ⇄ GGUF conversion or a merge cannot be done; lists every problem, writes nothing."""
+
+    code = "conversion_error"
+
+    def __init__(self, path: str, message: str, *, problems: Iterable[str] = (), hint: str | None = None):
+        self.path = str(path)
+        super().__init__(f"{path}: {message}", problems=problems, hint=hint)
+
+
+class ControlVectorError(LoramuxError):
+    """A control vector does not fit the model (n_embd, layer count, range, non-finite values)."""
+
+    code = "invalid_control_vector"
+
+    def __init__(self, source: str, message: str, *, problems: Iterable[str] = (), hint: str | None = None):
+        self.source = str(source)
+        super().__init__(f"control vector {source}: {message}", problems=problems, hint=hint)
+
+
+class ContextLengthError(LoramuxError, ValueError):
+    """A prompt (plus the requested tokens) does not fit the context."""
+
+    code = "context_length_exceeded"
+
+    def __init__(self, n_tokens: int, n_ctx: int, what: str = "prompt"):
+        self.n_tokens = n_tokens
+        self.n_ctx = n_ctx
+        super().__init__(f"{what} has {n_tokens} tokens but the context holds {n_ctx}",
+                         hint="shorten the input or load the engine with a larger n_ctx")
+
+
+class ParameterError(LoramuxError, ValueError):
+    """A parameter value is out of range; names the parameter."""
+
+    code = "invalid_parameter"
+
+    def __init__(self, parameter: str, message: str, *, hint: str | None = None):
+        self.parameter = parameter
+        super().__init__(f"{parameter}: {message}", hint=hint)
+
+
+class EngineClosedError(LoramuxError, RuntimeError):
+    """The engine was closed; no more work is accepted."""
+
+    code = "engine_closed"
+
+
+class TrainingError(LoramuxError):
+    """Zeroth-order training stopped (bad data, non-finite loss); factors were restored."""
+
+    code = "training_error"
+
+    def __init__(self, message: str, *, problems: Iterable[str] = (), hint: str | None = None,
+                 step: int | None = None):
+        self.step = step
+        super().__init__(message, problems=problems, hint=hint)
+
+
+class ProbeMismatch(LoramuxError):
+    """A probe check found rows that moved, or a reference from another build."""
+
+    code = "probe_mismatch"

@@ -1,0 +1,479 @@
+"""The Engine: one base model, many adapters, one engine thread that owns every llama_context.
+
+All decodes, adapter-set changes and in-place factor writes run on the engine thread, one after
+another, so no write can land while a decode is in flight. Callers on other threads hand it work
+through a command queue (`Engine.call`) or submit generation requests that it batches.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+
+from . import config
+from .adapters import LoRAAdapter
+from .errors import AdapterError, EngineClosedError, LoramuxError, ParameterError
+from .generate import Completion, SamplingParams, fallback_template, render_chat
+from .model import Context, ContextOptions, Model
+from .registry import AdapterSet, LoraArg, Registry, check_scale
+from .scheduler import Phase, Request, Scheduler
+
+T = TypeVar("T")
+log = logging.getLogger("loramux")
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """An adapter to load: a source (path, URL, hf://), a scale and an optional name."""
+
+    source: str
+    scale: float = 1.0
+    name: str | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> LoraSpec:
+        """`[NAME=]SRC[:SCALE]` as the CLI takes it (a ':' suffix counts only if it is a number)."""
+        name = None
+        if "=" in text.split("/", 1)[0] and not text.startswith(("http://", "https://", "hf://")):
+            name, text = text.split("=", 1)
+        scale = 1.0
+        head, sep, tail = text.rpartition(":")
+        if sep and head:
+            try:
+                scale = float(tail)
+                text = head
+            except ValueError:
+                pass
+        return cls(text, scale, name)
+
+
+def adapter_name(source: str) -> str:
+    """Default adapter name: the file name without .gguf (``hf://o/r/style.gguf@v1`` → ``style``)."""
+    base = source.split("#", 1)[0].rstrip("/").rsplit("/", 1)[-1].split("@", 1)[0]
+    return base[:-5] if base.endswith(".gguf") else base
+
+
+class Engine:
+    """A base GGUF loaded once, with adapters that come and go while it serves. Thread-safe."""
+
+    def __init__(self, model: Model, *, n_ctx: int = 4096, n_parallel: int = 1, n_batch: int = 512,
+                 n_threads: int | None = None, flash_attn: bool = False, kv_unified: bool = False) -> None:
+        if n_parallel < 1:
+            raise ParameterError("n_parallel", "must be ≥ 1")
+        self.model = model
+        self.n_parallel = n_parallel
+        self.registry = Registry()
+        self._ctx_opts = ContextOptions(n_ctx=n_ctx * (1 if kv_unified else n_parallel), n_batch=n_batch,
+                                        n_ubatch=min(n_batch, 512), n_seq_max=n_parallel, n_threads=n_threads,
+                                        kv_unified=kv_unified, flash_attn=flash_attn)
+        self._eval_opts = ContextOptions(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=min(n_batch, 512),
+                                         n_seq_max=1, n_threads=n_threads, flash_attn=flash_attn)
+        self.n_ctx = n_ctx
+        self.ctx = Context(model, self._ctx_opts)
+        self.scheduler = Scheduler(model, self.ctx, n_parallel)
+        self._eval_ctx: Context | None = None
+        self.control: Any = None  # default control-vector setting (see control.py)
+        self._retired: list[LoRAAdapter] = []
+        self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="loramux-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def load(cls, model: str | os.PathLike[str] | None = None, *, loras: Sequence[LoraSpec | str] = (),
+             n_ctx: int = 4096, n_parallel: int = 1, n_batch: int = 512, n_threads: int | None = None,
+             n_gpu_layers: int = 0, use_mmap: bool = True, use_mlock: bool = False, flash_attn: bool = False,
+             kv_unified: bool = False, **source_options: Any) -> Engine:
+        """Load a base model (default: the embedded Gemma 3 270M) and apply `loras` in list order.
+
+        If any adapter fails, the whole load fails with that adapter's error and nothing stays loaded.
+        """
+        path = config.default_model_path() if model is None else Path(model).expanduser()
+        m = Model(path, n_gpu_layers=n_gpu_layers, use_mmap=use_mmap, use_mlock=use_mlock)
+        try:
+            eng = cls(m, n_ctx=n_ctx, n_parallel=n_parallel, n_batch=n_batch, n_threads=n_threads,
+                      flash_attn=flash_attn, kv_unified=kv_unified)
+        except BaseException:
+            m.close()
+            raise
+        try:
+            for spec in loras:
+                spec = LoraSpec.parse(spec) if isinstance(spec, str) else spec
+                eng.set_lora(spec.source, scale=spec.scale, name=spec.name, **source_options)
+        except BaseException:
+            eng.close()
+            raise
+        return eng
+
+    # ------------------------------------------------------------------ engine thread
+    def _loop(self) -> None:
+        while True:
+            self._run_commands()
+            if self._closed:
+                break
+            if self.scheduler.has_work():
+                try:
+                    self.scheduler.step()
+                except Exception as e:  # noqa: BLE001 - keep serving; fail only the requests involved
+                    log.exception("scheduler step failed")
+                    self.scheduler.fail_all(e)
+                self._free_retired()
+            else:
+                self._wake.wait(0.5)
+                self._wake.clear()
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if item is None:
+                self._closed = True
+                continue
+            fn, fut = item
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn())
+                except BaseException as e:  # noqa: BLE001 - handed to the caller
+                    fut.set_exception(e)
+
+    def call(self, fn: Callable[[], T]) -> T:
+        """Run `fn` on the engine thread between decodes and return its result (re-raising its error)."""
+        if threading.current_thread() is self._thread:
+            return fn()
+        if self._closed:
+            raise EngineClosedError("the engine is closed")
+        fut: Future[T] = Future()
+        self._commands.put((fn, fut))
+        self._wake.set()
+        return fut.result()
+
+    def _free_retired(self) -> None:
+        for a in list(self._retired):
+            if not self.scheduler.uses(a):
+                self._retired.remove(a)
+                for c in (self.ctx, self._eval_ctx):
+                    if c is not None and any(p == _ptr(a) for p, _ in c.handle._adapters):
+                        c.handle.set_adapters([], [])
+                a.close()
+
+    # ------------------------------------------------------------------ adapters
+    def load_lora(self, source: str | os.PathLike[str], name: str | None = None, *,
+                  scale: float | None = None, **source_options: Any) -> LoRAAdapter:
+        """Load (or replace) an adapter by source; activate it with `scale` unless scale is None.
+
+        Validation, download and tensor discovery happen before anything changes: on any error the
+        previous adapter of that name (and the active set) keep serving.
+        """
+        src = os.fspath(source)
+        name = name or adapter_name(src)
+        if scale is not None:
+            scale = check_scale(name, scale)
+        path = _resolve(src, **source_options)
+
+        def commit() -> LoRAAdapter:
+            try:
+                adapter = LoRAAdapter(self.model, path, name, self.call, source=src)
+            except AdapterError as e:
+                e.name = name
+                raise
+            old = self.registry.commit_add(adapter, scale)
+            if old is not None:
+                self._retired.append(old)
+                self._free_retired()
+            return adapter
+        return self.call(commit)
+
+    def set_lora(self, source: str | os.PathLike[str], scale: float = 1.0, name: str | None = None,
+                 **source_options: Any) -> LoRAAdapter:
+        """Load an adapter and make it active with `scale`, or only update the scale if it is loaded.
+
+        `source` may be the name of a loaded adapter, a path, an https:// URL or hf://owner/repo/file.gguf.
+        """
+        src = os.fspath(source)
+        key = name or src
+        if key in self.registry.adapters and (name is None or src in (name, str(self.registry.adapters[name].source))):
+            self.call(lambda: self.registry.set_scale(key, scale))
+            return self.registry.adapters[key]
+        return self.load_lora(src, name, scale=scale, **source_options)
+
+    def remove_lora(self, name: str) -> None:
+        """Deactivate and unload one adapter (requests already running with it finish first)."""
+        def rm() -> None:
+            self._retired.append(self.registry.remove(name))
+            self._free_retired()
+        self.call(rm)
+
+    def clear_loras(self) -> None:
+        """Deactivate and unload every adapter."""
+        def clear() -> None:
+            for n in list(self.registry.names()):
+                self._retired.append(self.registry.remove(n))
+            self._free_retired()
+        self.call(clear)
+
+    @property
+    def active(self) -> dict[str, float]:
+        """The default adapter set: name → scale, in application order."""
+        return dict(self.registry.active)
+
+    @property
+    def adapters(self) -> dict[str, LoRAAdapter]:
+        """Resident adapters by name."""
+        return dict(self.registry.adapters)
+
+    def adapter(self, name: str) -> LoRAAdapter:
+        return self.registry.get(name)
+
+    # ------------------------------------------------------------------ control vectors
+    def set_control_vector(self, cv: Any, strength: float = 1.0, layers: tuple[int, int] | None = None) -> None:
+        """Apply a control vector (or a path to one) to every request that does not choose its own."""
+        from .control import ControlSetting, ControlVector
+
+        vec = ControlVector.load(cv) if not isinstance(cv, ControlVector) else cv
+        setting = ControlSetting.build(self.model, [(vec, strength)], layers)
+        self.call(lambda: setattr(self, "control", setting))
+
+    def clear_control_vector(self) -> None:
+        self.call(lambda: setattr(self, "control", None))
+
+    # ------------------------------------------------------------------ text
+    def tokenize(self, text: str, *, add_bos: bool = True, special: bool = True) -> list[int]:
+        return self.model.tokenize(text, add_bos=add_bos, special=special)
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return self.model.detokenize(tokens)
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
+        tmpl = self.model.chat_template or fallback_template(self.model.architecture)
+        h = self.model.handle
+        return render_chat(tmpl, messages, bos_token=self.model.token_text(h.bos) if h.bos >= 0 else "",
+                           eos_token=self.model.token_text(h.eos) if h.eos >= 0 else "",
+                           add_generation_prompt=add_generation_prompt)
+
+    # ------------------------------------------------------------------ generation
+    def submit(self, prompt: str | Sequence[int], *, loras: LoraArg = None, control: Any = "default",
+               on_event: Callable[[str, Any], None] | None = None, **sampling: Any) -> Request:
+        """Queue a generation; events arrive on `request.events` (and `on_event`, on the engine thread)."""
+        params = SamplingParams(**sampling).validate()
+        tokens = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        if not tokens:
+            raise ParameterError("prompt", "is empty")
+        self.ctx.check_fits(len(tokens) + (1 if params.max_tokens else 0))
+
+        def build() -> Request:
+            aset = self.registry.resolve(loras)
+            cv = self.control if control == "default" else control
+            phases, alora = _phases(aset, cv, tokens)
+            req = Request(tokens, params, phases, alora, on_event=on_event)
+            for a, _ in aset.items:
+                a.version  # noqa: B018 - fingerprint taken now; later writes make a new key
+            if params.max_tokens == 0:
+                req.emit("done", Completion("", [], "length", len(tokens), aset.as_dict(), alora))
+            else:
+                self.scheduler.submit(req)
+            return req
+        return self.call(build)
+
+    def generate(self, prompt: str | Sequence[int], *, loras: LoraArg = None, **sampling: Any) -> Completion:
+        """Generate a completion. `loras` (name → scale) overrides the default set for this call only."""
+        it = self.stream(prompt, loras=loras, **sampling)
+        for _ in it:
+            pass
+        assert it.completion is not None
+        return it.completion
+
+    def stream(self, prompt: str | Sequence[int], *, loras: LoraArg = None, **sampling: Any) -> TextStream:
+        """Like generate, but iterate over text chunks as they come; `.completion` is set at the end."""
+        return TextStream(self.submit(prompt, loras=loras, **sampling))
+
+    def chat(self, messages: Sequence[Mapping[str, Any]], *, loras: LoraArg = None, stream: bool = False,
+             **sampling: Any) -> Completion | TextStream:
+        """One assistant turn, rendered with the model's chat template (sandboxed jinja2)."""
+        prompt = self.apply_chat_template(messages)
+        tokens = self.tokenize(prompt, add_bos=False)
+        s = self.stream(tokens, loras=loras, **sampling)
+        return s if stream else s.consume()
+
+    # ------------------------------------------------------------------ evaluation
+    def _eval(self) -> Context:
+        if self._eval_ctx is None:
+            self._eval_ctx = Context(self.model, self._eval_opts)
+        return self._eval_ctx
+
+    def logits(self, prompt: str | Sequence[int], *, loras: LoraArg = None, control: Any = "default") -> np.ndarray:
+        """Logits of every position (n_tokens × n_vocab), one sequence alone in its own context."""
+        tokens = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        self._eval_opts_check(len(tokens))
+
+        def run() -> np.ndarray:
+            ctx = self._prepare_eval(loras, control)
+            out = ctx.prefill(0, tokens, all_logits=True)
+            assert out is not None
+            return out
+        return self.call(run)
+
+    def loss(self, texts: str | Sequence[str] | Sequence[Sequence[int]], *, loras: LoraArg = None,
+             masks: Sequence[Sequence[bool]] | None = None, control: Any = "default") -> float:
+        """Mean token negative log-likelihood over all texts (float64 sums), one text at a time."""
+        total, count = self.loss_sum(texts, loras=loras, masks=masks, control=control)
+        return total / max(count, 1)
+
+    def loss_sum(self, texts: str | Sequence[str] | Sequence[Sequence[int]], *, loras: LoraArg = None,
+                 masks: Sequence[Sequence[bool]] | None = None, control: Any = "default") -> tuple[float, int]:
+        """(sum of token NLLs, number of tokens scored)."""
+        items = [texts] if isinstance(texts, str) else list(texts)
+        toks = [self.tokenize(t) if isinstance(t, str) else list(t) for t in items]
+        for t in toks:
+            self._eval_opts_check(len(t))
+
+        def run() -> tuple[float, int]:
+            ctx = self._prepare_eval(loras, control)
+            total, count = 0.0, 0
+            for i, t in enumerate(toks):
+                ctx.clear(0)
+                s, c = ctx.token_nll(0, t, masks[i] if masks is not None else None)
+                total += s
+                count += c
+            return total, count
+        return self.call(run)
+
+    def _eval_opts_check(self, n: int) -> None:
+        if n > self.n_ctx:
+            from .errors import ContextLengthError
+            raise ContextLengthError(n, self.n_ctx)
+
+    def _prepare_eval(self, loras: LoraArg, control: Any) -> Context:
+        ctx = self._eval()
+        aset: AdapterSet = self.registry.resolve(loras)
+        ctx.handle.set_adapters([a.handle for a, _ in aset.items], [s for _, s in aset.items])
+        cv = self.control if control == "default" else control
+        if cv is None:
+            ctx.handle.set_control_vector(None, self.model.n_embd, 0, 0)
+        else:
+            cv.apply(ctx.handle)
+        ctx.clear(0)
+        return ctx
+
+    # ------------------------------------------------------------------ lifecycle
+    def stats(self) -> dict[str, int]:
+        return dict(self.scheduler.stats)
+
+    def close(self) -> None:
+        """Stop the engine thread, fail queued requests, free adapters, contexts and the model. Idempotent."""
+        if self._closed and not self._thread.is_alive():
+            return
+        if self._thread.is_alive():
+            try:
+                self.call(lambda: self.scheduler.fail_all(EngineClosedError("the engine was closed")))
+            except EngineClosedError:
+                pass
+            self._commands.put(None)
+            self._wake.set()
+            self._thread.join()
+        self._closed = True
+        for c in (self.ctx, self._eval_ctx):
+            if c is not None:
+                c.close()
+        for a in list(self.registry.adapters.values()) + self._retired:
+            a.close()
+        self.model.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class TextStream(Iterator[str]):
+    """Iterator over a request's text chunks; `.completion` holds the result once exhausted."""
+
+    def __init__(self, request: Request) -> None:
+        self.request = request
+        self.completion: Completion | None = None
+
+    def __next__(self) -> str:
+        if self.completion is not None:
+            raise StopIteration
+        kind, value = self.request.events.get()
+        if kind == "text":
+            return value
+        if kind == "error":
+            raise value
+        self.completion = value
+        raise StopIteration
+
+    def consume(self) -> Completion:
+        for _ in self:
+            pass
+        assert self.completion is not None
+        return self.completion
+
+    def cancel(self) -> None:
+        """Stop generating; the completion ends with finish_reason 'cancelled'."""
+        self.request.cancelled.set()
+
+    def close(self) -> None:
+        self.cancel()
+
+
+def _phases(aset: AdapterSet, cv: Any, tokens: list[int]) -> tuple[list[Phase], dict[str, bool]]:
+    """aLoRA rule: an adapter with invocation tokens applies from the last occurrence of its sequence on."""
+    aloras = aset.aloras
+    if not aloras:
+        return [Phase(aset, cv, 0)], {}
+    found: dict[str, bool] = {}
+    starts = []
+    for a in aloras:
+        pos = _last_occurrence(tokens, list(a.invocation_tokens))
+        found[a.name] = pos is not None
+        if pos is not None:
+            starts.append(pos)
+    base = aset.without_alora()
+    active = AdapterSet(tuple((a, s) for a, s in aset.items if not a.is_alora or found[a.name]))
+    if not starts:
+        return [Phase(base, cv, 0)], found
+    start = min(starts)  # several aLoRAs: all switch on at the earliest invocation (documented)
+    if start == 0:
+        return [Phase(active, cv, 0)], found
+    return [Phase(base, cv, 0), Phase(active, cv, start)], found
+
+
+def _last_occurrence(seq: list[int], sub: list[int]) -> int | None:
+    n = len(sub)
+    for i in range(len(seq) - n, -1, -1):
+        if seq[i:i + n] == sub:
+            return i
+    return None
+
+
+def _ptr(a: LoRAAdapter) -> int:
+    import ctypes
+    return int(ctypes.cast(a.handle.ptr, ctypes.c_void_p).value or 0) if not a.handle.closed else -1
+
+
+def _resolve(src: str, **options: Any) -> Path:
+    p = Path(src).expanduser()
+    if p.is_file() and not options:
+        return p
+    try:
+        from .sources import resolve
+    except ImportError:  # pragma: no cover
+        return p
+    return Path(resolve(src, **options))
+
+
+__all__ = ["Engine", "LoraSpec", "TextStream", "LoramuxError"]

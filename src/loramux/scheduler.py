@@ -1,0 +1,294 @@
+"""Continuous batching on the engine thread: requests, sequence slots, adapter-set groups.
+
+Each decode step serves the running sequences of one adapter-set group (the set is baked into
+llama.cpp's graph), up to `n_parallel` sequences and `n_batch` tokens, mixing prefill chunks and
+decode tokens. Groups take turns (round-robin, bounded run length) so none starves. KV prefixes
+are reused only within the same fingerprint (adapter identity + content version + scale + control
+vector), never across adapter sets.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import _native as N
+from .errors import BackendError, LoramuxError
+from .generate import Completion, SamplingParams, TextAssembler
+from .model import Context, Model
+from .registry import AdapterSet
+
+_ids = itertools.count(1)
+GROUP_RUN_STEPS = 8  # steps a group keeps the context before another waiting group gets it
+
+
+@dataclass
+class Phase:
+    """A stretch of the sequence computed under one adapter set (aLoRA: prefix without, rest with)."""
+
+    adapters: AdapterSet
+    cvec: Any  # control-vector setting with .key and .apply(ctx_handle); None = none
+    start: int  # first position of the phase
+
+    @property
+    def key(self) -> tuple[Any, ...]:
+        return (self.adapters.key, getattr(self.cvec, "key", None))
+
+
+@dataclass
+class Request:
+    """One generation in flight. Events go to `events`: ("text", str), ("done", Completion), ("error", exc)."""
+
+    prompt: list[int]
+    params: SamplingParams
+    phases: list[Phase]
+    alora: dict[str, bool] = field(default_factory=dict)
+    id: int = field(default_factory=lambda: next(_ids))
+    events: queue.SimpleQueue[tuple[str, Any]] = field(default_factory=queue.SimpleQueue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    on_event: Callable[[str, Any], None] | None = None
+    arrived: float = field(default_factory=time.monotonic)
+    # state (engine thread only)
+    seq: int | None = None
+    n_past: int = 0
+    pending: int | None = None  # sampled token not yet decoded
+    generated: list[int] = field(default_factory=list)
+    sampler: N.SamplerHandle | None = None
+    text: TextAssembler | None = None
+    first_token_at: float | None = None
+
+    def phase_at(self, pos: int) -> Phase:
+        cur = self.phases[0]
+        for ph in self.phases:
+            if pos >= ph.start:
+                cur = ph
+        return cur
+
+    @property
+    def cache_key(self) -> tuple[Any, ...]:
+        return tuple((ph.key, ph.start) for ph in self.phases)
+
+    def emit(self, kind: str, value: Any) -> None:
+        self.events.put((kind, value))
+        if self.on_event is not None:
+            self.on_event(kind, value)
+
+
+class Scheduler:
+    """Owns the serving context. Only the engine thread calls into it."""
+
+    def __init__(self, model: Model, ctx: Context, n_parallel: int) -> None:
+        self.model = model
+        self.ctx = ctx
+        self.n_parallel = n_parallel
+        self.waiting: list[Request] = []
+        self.slots: list[Request | None] = [None] * n_parallel
+        self.slot_cache: list[tuple[tuple[Any, ...], list[int]]] = [((), []) for _ in range(n_parallel)]
+        self.group: tuple[Any, ...] | None = None
+        self.group_steps = 0
+        self.applied_cvec: Any = None
+        self.stats = {"adapter_switches": 0, "decode_steps": 0, "prompt_tokens": 0, "generated_tokens": 0}
+
+    # -- bookkeeping --------------------------------------------------------------------------
+    @property
+    def running(self) -> list[Request]:
+        return [r for r in self.slots if r is not None]
+
+    def has_work(self) -> bool:
+        return bool(self.waiting) or any(self.slots)
+
+    def uses(self, adapter: Any) -> bool:
+        return any(a is adapter for r in self.waiting + self.running for ph in r.phases for a, _ in ph.adapters.items)
+
+    def submit(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    # -- one step -----------------------------------------------------------------------------
+    def step(self) -> None:
+        self._drop_cancelled()
+        self._admit()
+        runnable = self.running
+        if not runnable:
+            return
+        group = self._pick_group(runnable)
+        members = [r for r in runnable if r.phase_at(r.n_past).key == group]
+        phase = members[0].phase_at(members[0].n_past)  # before _fill_batch advances n_past
+        plan = self._fill_batch(members)
+        try:
+            self._apply(phase)
+            self.ctx.handle.decode(self.ctx.batch)
+        except LoramuxError as e:
+            for r, _ in plan:
+                self._finish(r, error=e)
+            return
+        self.stats["decode_steps"] += 1
+        for r, out_idx in plan:
+            if out_idx is not None:
+                self._sample(r, out_idx)
+
+    def _drop_cancelled(self) -> None:
+        for r in list(self.waiting):
+            if r.cancelled.is_set():
+                self.waiting.remove(r)
+                r.emit("done", self._completion(r, "cancelled"))
+        for r in self.running:
+            if r.cancelled.is_set():
+                self._finish(r, reason="cancelled")
+
+    def _admit(self) -> None:
+        while self.waiting and None in self.slots:
+            r = self.waiting.pop(0)
+            free = [i for i, s in enumerate(self.slots) if s is None]
+            seq, keep = max(((i, self._reusable(i, r)) for i in free), key=lambda x: x[1])
+            if keep == 0 or not self.ctx.handle.memory_seq_rm(seq, keep, -1):
+                self.ctx.handle.memory_seq_rm(seq, -1, -1)
+                keep = 0
+            r.seq, r.n_past = seq, keep
+            r.sampler = N.SamplerHandle.chain(self.model.handle, **_sampler_args(r.params))
+            r.text = TextAssembler(r.params.stop)
+            self.slots[seq] = r
+            self.stats["prompt_tokens"] += len(r.prompt)
+
+    def _reusable(self, seq: int, r: Request) -> int:
+        key, toks = self.slot_cache[seq]
+        if key != r.cache_key:
+            return 0
+        n = 0
+        for a, b in zip(toks, r.prompt[:-1]):  # always recompute the last prompt token for its logits
+            if a != b:
+                break
+            n += 1
+        return n
+
+    def _pick_group(self, runnable: list[Request]) -> tuple[Any, ...]:
+        keys = []
+        for r in sorted(runnable, key=lambda r: r.arrived):
+            k = r.phase_at(r.n_past).key
+            if k not in keys:
+                keys.append(k)
+        if self.group in keys and (self.group_steps < GROUP_RUN_STEPS or len(keys) == 1):
+            self.group_steps += 1
+            return self.group
+        nxt = keys[(keys.index(self.group) + 1) % len(keys)] if self.group in keys else keys[0]
+        self.group, self.group_steps = nxt, 1
+        return nxt
+
+    def _fill_batch(self, members: list[Request]) -> list[tuple[Request, int | None]]:
+        b = self.ctx.batch
+        b.clear()
+        plan: list[tuple[Request, int | None]] = []
+        # decode tokens first (one each, cheap), then prompt chunks with what is left of n_batch
+        for r in members:
+            if r.pending is not None:
+                b.add([r.pending], r.n_past, r.seq, True)
+                plan.append((r, b.n - 1))
+                r.n_past += 1
+                r.pending = None
+        for r in members:
+            if r.n_past >= len(r.prompt) or b.n >= b.capacity:
+                continue
+            end = min(len(r.prompt), r.n_past + b.capacity - b.n, _phase_end(r))
+            chunk = r.prompt[r.n_past:end]
+            last = end == len(r.prompt)
+            b.add(chunk, r.n_past, r.seq, [False] * (len(chunk) - 1) + [last])
+            plan.append((r, b.n - 1 if last else None))
+            r.n_past = end
+        return plan
+
+    def _apply(self, phase: Phase) -> None:
+        adapters = phase.adapters.items
+        before = self.ctx.handle._adapters
+        self.ctx.handle.set_adapters([a.handle for a, _ in adapters], [s for _, s in adapters])
+        if self.ctx.handle._adapters != before:
+            self.stats["adapter_switches"] += 1
+        ckey = getattr(phase.cvec, "key", None)
+        if ckey != getattr(self.applied_cvec, "key", None):
+            if phase.cvec is None:
+                self.ctx.handle.set_control_vector(None, self.model.n_embd, 0, 0)
+            else:
+                phase.cvec.apply(self.ctx.handle)
+            self.applied_cvec = phase.cvec
+
+    def _sample(self, r: Request, idx: int) -> None:
+        assert r.sampler is not None and r.text is not None
+        tok = r.sampler.sample(self.ctx.handle, idx)
+        r.sampler.accept(tok)
+        if r.first_token_at is None:
+            r.first_token_at = time.monotonic()
+        if self.model.is_eog(tok) and not r.params.ignore_eos:
+            self._finish(r, reason="stop")
+            return
+        r.generated.append(tok)
+        self.stats["generated_tokens"] += 1
+        chunk = r.text.feed(self.model.handle.token_bytes(tok))
+        if chunk:
+            r.emit("text", chunk)
+        if r.text.stopped:
+            self._finish(r, reason="stop")
+        elif len(r.generated) >= r.params.max_tokens or r.n_past + 1 >= self._seq_room():
+            self._finish(r, reason="length")
+        else:
+            r.pending = tok
+
+    def _seq_room(self) -> int:
+        o = self.ctx.opts
+        return self.ctx.n_ctx if o.kv_unified else self.ctx.n_ctx // max(1, o.n_seq_max)
+
+    def _finish(self, r: Request, reason: str = "stop", error: Exception | None = None) -> None:
+        if r.seq is not None and self.slots[r.seq] is r:
+            self.slots[r.seq] = None
+            if error is None:
+                decoded = (r.prompt + r.generated)[: r.n_past]
+                self.slot_cache[r.seq] = (r.cache_key, decoded)
+            else:
+                self.ctx.handle.memory_seq_rm(r.seq, -1, -1)
+                self.slot_cache[r.seq] = ((), [])
+        if r.sampler is not None:
+            r.sampler.close()
+        if error is not None:
+            r.emit("error", error)
+            return
+        tail = r.text.flush() if r.text is not None else ""
+        if tail:
+            r.emit("text", tail)
+        r.emit("done", self._completion(r, reason))
+
+    def _completion(self, r: Request, reason: str) -> Completion:
+        text = r.text.text if r.text is not None else ""
+        return Completion(text=text, tokens=list(r.generated), finish_reason=reason, prompt_tokens=len(r.prompt),
+                          loras=r.phases[-1].adapters.as_dict(), alora=dict(r.alora))
+
+    def fail_all(self, error: Exception) -> None:
+        for r in self.waiting:
+            r.emit("error", error)
+        self.waiting.clear()
+        for r in self.running:
+            self._finish(r, error=error)
+
+    def reset_cache(self) -> None:
+        """Forget every reusable prefix (after the model's weights changed under the KV cache)."""
+        for i in range(self.n_parallel):
+            if self.slots[i] is None:
+                self.ctx.handle.memory_seq_rm(i, -1, -1)
+                self.slot_cache[i] = ((), [])
+
+
+def _phase_end(r: Request) -> int:
+    for ph in r.phases:
+        if ph.start > r.n_past:
+            return ph.start
+    return len(r.prompt)
+
+
+def _sampler_args(p: SamplingParams) -> dict[str, Any]:
+    return {"temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p, "min_p": p.min_p,
+            "repeat_penalty": p.repeat_penalty, "repeat_last_n": p.repeat_last_n,
+            "frequency_penalty": p.frequency_penalty, "presence_penalty": p.presence_penalty, "seed": p.seed}
+
+
+__all__ = ["Phase", "Request", "Scheduler", "BackendError"]
