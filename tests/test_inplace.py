@@ -1,0 +1,168 @@
+"""In-place factor writes: bit-identical to a fresh load, read-back, save, bad input, serialization."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+
+import numpy as np
+import pytest
+from conftest import PROMPT, max_diff
+from tinymodel import random_factors, write_tiny_lora
+
+import loramux as lm
+from loramux.model import Context, ContextOptions
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
+def test_write_in_place_equals_fresh_load(tiny_model, tmp_path, dtype):
+    src = tmp_path / "src"
+    src.mkdir()
+    write_tiny_lora(src / "x.gguf", seed=11, dtype=dtype)
+    new = random_factors(rank=2, seed=12)
+    eng = lm.Engine.load(tiny_model, n_ctx=256, n_threads=2, loras=[str(src / "x.gguf")])
+    try:
+        a = eng.adapter("x")
+        before = eng.logits(PROMPT)
+        v0 = a.version
+        a.set_factors_multi(new)
+        assert a.version == v0 + 1
+        shutil.rmtree(src)  # no file left: a re-parse cannot be what passes this test
+        written = eng.logits(PROMPT)
+        assert max_diff(written, before) > 1e-3
+        # a context created after the write sees the new factors too
+        def new_ctx_logits() -> np.ndarray:
+            ctx = Context(eng.model, ContextOptions(n_ctx=256, n_batch=64, n_threads=2))
+            try:
+                ctx.handle.set_adapters([a.handle], [1.0])
+                return ctx.prefill(0, eng.tokenize(PROMPT), all_logits=True)
+            finally:
+                ctx.close()
+        in_new_ctx = eng.call(new_ctx_logits)
+    finally:
+        eng.close()
+    write_tiny_lora(tmp_path / "fresh.gguf", seed=12, dtype=dtype)  # same factors, fresh file
+    with lm.Engine.load(tiny_model, n_ctx=256, n_threads=2, loras=[str(tmp_path / "fresh.gguf")]) as fresh:
+        ref = fresh.logits(PROMPT)
+    assert max_diff(written, ref) == 0.0
+    assert max_diff(in_new_ctx, ref) == 0.0
+
+
+def test_write_mid_sequence_keeps_kv(engine, tiny_dir, tmp_path):
+    a = engine.load_lora(tiny_dir / "a.gguf", name="x")
+    new = random_factors(rank=2, seed=21)
+    write_tiny_lora(tmp_path / "new.gguf", seed=21)
+    b = engine.load_lora(tmp_path / "new.gguf", name="y")
+    toks = engine.tokenize(PROMPT)
+    k = 5
+
+    def run(write: bool) -> np.ndarray:
+        ctx = Context(engine.model, ContextOptions(n_ctx=256, n_batch=64, n_threads=2))
+        try:
+            ctx.handle.set_adapters([a.handle], [1.0])
+            ctx.prefill(0, toks[:k])
+            if write:
+                a.set_factors_multi(new)  # on the engine thread already: runs inline
+            else:
+                ctx.handle.set_adapters([b.handle], [1.0])
+            return ctx.prefill(0, toks[k:], pos0=k, all_logits=True)
+        finally:
+            ctx.close()
+    control = engine.call(lambda: run(False))
+    got = engine.call(lambda: run(True))
+    assert max_diff(got, control) == 0.0
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
+def test_get_factors_returns_what_was_written(engine, tmp_path, dtype):
+    write_tiny_lora(tmp_path / "x.gguf", seed=3, dtype=dtype)
+    a = engine.load_lora(tmp_path / "x.gguf")
+    assert a.factor_names()[0] == "blk.0.attn_q.weight" and a.n_factors == 14
+    new = random_factors(rank=2, seed=4)
+    a.set_factors_multi(new)
+    for name, (na, nb) in new.items():
+        ga, gb = a.get_factors(name)
+        if dtype == "f32":
+            assert np.array_equal(ga, na) and np.array_equal(gb, nb)
+        elif dtype == "f16":
+            assert np.array_equal(ga, na.astype(np.float16).astype(np.float32))
+        else:
+            assert np.allclose(ga, na, rtol=1e-2, atol=1e-6)
+    # float16 input is accepted and converted
+    name = a.factor_names()[1]
+    ha, hb = (x.astype(np.float16) for x in new[name])
+    a.set_factors(name, ha, hb)
+    assert np.allclose(a.get_factors(name)[0], ha.astype(np.float32), rtol=1e-2)
+
+
+def test_save_then_reload_is_identical(engine, tiny_model, tmp_path):
+    write_tiny_lora(tmp_path / "x.gguf", seed=5)
+    a = engine.load_lora(tmp_path / "x.gguf", scale=1.0)
+    a.set_factors_multi(random_factors(rank=2, seed=6))
+    live = engine.logits(PROMPT)
+    out = a.save(tmp_path / "saved.gguf")
+    with lm.Engine.load(tiny_model, n_ctx=256, n_threads=2, loras=[str(out)]) as e2:
+        assert max_diff(e2.logits(PROMPT), live) == 0.0
+
+
+def test_bad_writes_are_refused_and_change_nothing(engine, tiny_dir):
+    a = engine.set_lora(tiny_dir / "a.gguf")
+    before = engine.logits(PROMPT)
+    name = a.factor_names()[0]
+    A, B = a.get_factors(name)
+    cases = {
+        "unknown": {"blk.9.attn_q.weight": (A, B)},
+        "shape": {name: (A.T, B)},
+        "rank": {name: (np.zeros((3, A.shape[1]), np.float32), np.zeros((B.shape[0], 3), np.float32))},
+        "nan": {name: (A * np.nan, B)},
+    }
+    for label, f in cases.items():
+        good = {n: a.get_factors(n) for n in a.factor_names()[1:3]}
+        with pytest.raises(lm.FactorError) as ei:
+            a.set_factors_multi({**good, **f})  # all-or-nothing: the good ones are not written either
+        assert a.name in str(ei.value), label
+    assert "rank is fixed" in str(pytest.raises(lm.FactorError, a.set_factors, name, *cases["rank"][name]).value)
+    assert max_diff(engine.logits(PROMPT), before) == 0.0
+    assert a.version == 0
+
+
+def test_writes_from_another_thread_are_serialized_with_generation(engine, tiny_dir):
+    a = engine.set_lora(tiny_dir / "a.gguf")
+    f1 = random_factors(rank=2, seed=31)
+    f2 = random_factors(rank=2, seed=32)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def writer() -> None:
+        i = 0
+        while not stop.is_set():
+            try:
+                a.set_factors_multi(f1 if i % 2 else f2)
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+                return
+            i += 1
+    t = threading.Thread(target=writer)
+    t.start()
+    try:
+        for _ in range(5):
+            assert engine.generate(PROMPT, max_tokens=16).finish_reason in ("stop", "length")
+    finally:
+        stop.set()
+        t.join()
+    assert not errors
+    # every live tensor holds one whole version (never a torn mix of f1 and f2)
+    final = a.all_factors()
+    which = {n: ("f1" if np.array_equal(final[n][0], f1[n][0]) else "f2" if np.array_equal(final[n][0], f2[n][0]) else "?")
+             for n in final}
+    assert len(set(which.values())) == 1 and "?" not in which.values()
+
+
+def test_write_invalidates_prefix_cache(engine, tiny_dir):
+    a = engine.set_lora(tiny_dir / "a.gguf")
+    g1 = engine.generate(PROMPT, max_tokens=12)
+    a.set_factors_multi(random_factors(rank=2, seed=41))
+    g2 = engine.generate(PROMPT, max_tokens=12)
+    fresh = engine.logits(PROMPT)
+    assert int(np.argmax(fresh[-1])) == (g2.tokens[0] if g2.tokens else -1) or g2.finish_reason == "stop"
+    assert g1.tokens != g2.tokens
