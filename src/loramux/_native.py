@@ -91,6 +91,9 @@ _ggml.ggml_backend_tensor_set.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctyp
 _ggml.ggml_backend_tensor_set.restype = None
 _ggml.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
 _ggml.ggml_backend_tensor_get.restype = None
+for _fn in (_ggml.ggml_backend_tensor_set_2d, _ggml.ggml_backend_tensor_get_2d):
+    _fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_size_t] * 5
+    _fn.restype = None
 _ggml.ggml_nbytes.argtypes = [ctypes.c_void_p]
 _ggml.ggml_nbytes.restype = ctypes.c_size_t
 _ggml.ggml_get_name.argtypes = [ctypes.c_void_p]
@@ -167,6 +170,15 @@ def tensor_get(ptr: int, out: np.ndarray, offset: int = 0) -> np.ndarray:
     """Copy a backend tensor's bytes into the contiguous array `out` and return it."""
     _ggml.ggml_backend_tensor_get(ptr, out.ctypes.data, offset, out.nbytes)
     return out
+
+
+def tensor_set_2d(ptr: int, data: np.ndarray, offset: int, row_bytes: int, n_rows: int,
+                  stride_tensor: int) -> None:
+    """Copy `n_rows` runs of `row_bytes` from contiguous `data` into a tensor, `stride_tensor` apart.
+
+    One call writes a column block of a row-major matrix (a slot of a LoRA bank's B factor).
+    """
+    _ggml.ggml_backend_tensor_set_2d(ptr, data.ctypes.data, offset, row_bytes, n_rows, stride_tensor, row_bytes)
 
 
 def system_info() -> str:

@@ -1,0 +1,208 @@
+"""The slot bank: one resident LoRA of rank K·r that lets sequences on different adapters share a decode.
+
+The bank is an ordinary llama.cpp adapter over every projection, created with zero factors and
+always active at scale 1 (alpha 0, so llama.cpp applies no alpha/rank factor). Each user adapter
+lives in a slot k: rows [k·r, k·r + r) of every A and the same columns of every B, written in place.
+During a decode, `cb_eval` stops at each bank `A·x` product (ne = [K·r, n_tokens]) and multiplies
+the row block of slot k for token t by the scale token t's sequence wants for that adapter (its
+request scale × alpha/rank; 0 when unused). `B · (mask ⊙ A·x)` then adds each sequence's own delta
+and exactly +0.0 for the others, so one decode serves every sequence whatever its adapters, with no
+change of the context's adapter set and no graph re-reserve.
+
+Facts this relies on (see the mixed-batching notes): the context must use `kv_unified=true` and
+n_ubatch == n_batch so the node's token columns follow the batch order; in the last block only the
+tokens that request logits remain, so those nodes get the output rows of the mask. After every decode
+`check()` verifies that every bank node was masked with a planned shape; otherwise it raises instead
+of silently serving unmasked output.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import _native as N
+from .adapters import LoRAAdapter
+from .errors import BackendError, LoramuxError
+from .gguf_io import write_adapter
+from .model import Model
+
+PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+_OFF_OP = GgmlOff = N.GgmlTensor.op.offset
+_OFF_SRC0 = N.GgmlTensor.src.offset
+_OFF_NE1 = N.GgmlTensor.ne.offset + 8
+
+
+class SlotsBusyError(LoramuxError):
+    """Every slot of the bank holds an adapter that a running request uses."""
+
+    code = "slots_busy"
+
+
+@dataclass
+class _Slot:
+    adapter: LoRAAdapter | None = None
+    version: int = -1
+    refs: int = 0
+    pinned: bool = False
+    last_used: float = 0.0
+
+
+@dataclass
+class MaskPlan:
+    """Per-token mask of one decode: full rows for every batch token, and the rows that request logits."""
+
+    full: np.ndarray  # (n_tokens, K·r) float32
+    out: np.ndarray  # (n_outputs, K·r)
+    masked: int = 0
+    problems: list[str] = field(default_factory=list)
+
+
+class SlotBank:
+    """K slots of rank r over every projection of the base model. Engine-thread only."""
+
+    def __init__(self, model: Model, slots: int, rank: int, *, dtype: str = "f32") -> None:
+        if slots < 1 or rank < 1:
+            raise LoramuxError(f"a slot bank needs slots ≥ 1 and slot_rank ≥ 1 (got {slots}, {rank})")
+        self.model, self.K, self.r = model, slots, rank
+        self.width = slots * rank
+        self.targets = [f"blk.{i}.{p}.weight" for i in range(model.n_layer) for p in PROJECTIONS
+                        if f"blk.{i}.{p}.weight" in model.tensor_shapes]
+        zeros = {t: (np.zeros((self.width, model.tensor_shapes[t][1]), np.float32),
+                     np.zeros((model.tensor_shapes[t][0], self.width), np.float32)) for t in self.targets}
+        self._dir = tempfile.TemporaryDirectory(prefix="loramux-bank-")
+        path = write_adapter(Path(self._dir.name) / "bank.gguf", model.architecture, zeros, 0.0, dtype=dtype)
+        self.adapter = LoRAAdapter(model, path, "__bank__")
+        facs = self.adapter._factors or {}
+        self._a_ptrs = {facs[t].a: t for t in self.targets}
+        self._esize = N.GGML_TYPE_SIZE[facs[self.targets[0]].type]
+        self.slots = [_Slot() for _ in range(slots)]
+        self.plan: MaskPlan | None = None
+        self.writes = 0
+
+    # -- slots ---------------------------------------------------------------------------------
+    def eligible(self, adapter: LoRAAdapter) -> bool:
+        """Can this adapter live in a slot (rank ≤ r, every target a bank projection)?"""
+        return adapter.rank <= self.r and set(adapter.targets) <= set(self._a_ptrs.values())
+
+    def slot_of(self, adapter: LoRAAdapter) -> int | None:
+        for k, s in enumerate(self.slots):
+            if s.adapter is adapter and s.version == adapter.version:
+                return k
+        return None
+
+    def acquire(self, adapter: LoRAAdapter) -> int | None:
+        """A slot holding this adapter's current factors (written now if needed); None if all are busy."""
+        k = self.slot_of(adapter)
+        if k is None:
+            idle = [i for i, s in enumerate(self.slots) if s.refs == 0 and not s.pinned]
+            if not idle:
+                return None
+            k = min(idle, key=lambda i: (self.slots[i].adapter is not None, self.slots[i].last_used))
+            self._write(k, adapter)
+        s = self.slots[k]
+        s.refs += 1
+        s.last_used = time.monotonic()
+        return k
+
+    def release(self, k: int) -> None:
+        self.slots[k].refs = max(0, self.slots[k].refs - 1)
+
+    def pin(self, adapter: LoRAAdapter) -> int:
+        """Keep an adapter resident (never evicted); raises SlotsBusyError when no slot can take it."""
+        k = self.acquire(adapter)
+        if k is None:
+            raise SlotsBusyError(f"every one of the {self.K} slots is in use; cannot pin {adapter.name!r}",
+                                 hint="raise --max-loaded / slots, or unpin an adapter")
+        self.slots[k].pinned = True
+        self.release(k)
+        return k
+
+    def forget(self, adapter: LoRAAdapter) -> None:
+        """Drop an unloaded adapter's slots (their contents stay until overwritten; never used again)."""
+        for s in self.slots:
+            if s.adapter is adapter:
+                s.adapter, s.version, s.pinned = None, -1, False
+
+    def resident(self) -> list[str]:
+        return [s.adapter.name for s in self.slots if s.adapter is not None]
+
+    def _write(self, k: int, adapter: LoRAAdapter) -> None:
+        facs = adapter.all_factors()  # live factors (engine thread: inline)
+        store = np.float32 if self._esize == 4 else np.float16
+        r0, ru = k * self.r, adapter.rank
+        for t in self.targets:
+            f = self.adapter._factors[t]  # type: ignore[index]
+            out_dim, in_dim = f.b_shape[0], f.a_shape[1]
+            a = np.zeros((self.r, in_dim), store)
+            b = np.zeros((out_dim, self.r), store)
+            if t in facs:
+                a[:ru] = facs[t][0]
+                b[:, :ru] = facs[t][1]
+            N.tensor_set(f.a, np.ascontiguousarray(a), offset=r0 * in_dim * self._esize)
+            N.tensor_set_2d(f.b, np.ascontiguousarray(b), offset=r0 * self._esize, row_bytes=self.r * self._esize,
+                            n_rows=out_dim, stride_tensor=self.width * self._esize)
+        s = self.slots[k]
+        s.adapter, s.version = adapter, adapter.version
+        self.writes += 1
+
+    # -- masks ---------------------------------------------------------------------------------
+    def set_plan(self, token_scales: np.ndarray, out_rows: np.ndarray) -> None:
+        """Masks for the next decode: token_scales (n_tokens, K) → per-row blocks of width r."""
+        full = np.repeat(np.asarray(token_scales, np.float32), self.r, axis=1)
+        self.plan = MaskPlan(full, full[out_rows])
+
+    def callback(self, t: int, ask: bool) -> bool:
+        """cb_eval: stop at bank A·x nodes and scale them in place; never truncate the graph."""
+        if ask:
+            if ctypes.c_int.from_address(t + _OFF_OP).value != N.OP_MUL_MAT:
+                return False
+            return ctypes.c_void_p.from_address(t + _OFF_SRC0).value in self._a_ptrs
+        plan = self.plan
+        if plan is None:
+            return True
+        n_tok = ctypes.c_int64.from_address(t + _OFF_NE1).value
+        mask = plan.full if n_tok == plan.full.shape[0] else plan.out if n_tok == plan.out.shape[0] else None
+        if mask is None:
+            plan.problems.append(f"node with {n_tok} tokens matches neither {plan.full.shape[0]} nor {plan.out.shape[0]}")
+            return True
+        data = N.tensor_get(t, np.empty((n_tok, self.width), np.float32))
+        data *= mask
+        N.tensor_set(t, data)
+        plan.masked += 1
+        return True
+
+    def check(self) -> None:
+        """After a decode: every bank node was masked with a planned shape, or raise."""
+        plan, self.plan = self.plan, None
+        if plan is None:
+            return
+        if plan.problems or plan.masked != len(self.targets):
+            raise BackendError("slot bank masks", None,
+                               f"masked {plan.masked} of {len(self.targets)} bank nodes; "
+                               + "; ".join(plan.problems[:3]),
+                               hint="llama.cpp's graph no longer matches the bank plan; serve without slots")
+
+    def close(self) -> None:
+        self.adapter.close()
+        self._dir.cleanup()
+
+
+def token_scales(bank: SlotBank, entries: list[tuple[int, list[tuple[int, float]]]]) -> np.ndarray:
+    """Rows of per-slot scales: entries = [(n_tokens, [(slot, scale), ...]), ...] in batch order."""
+    rows = []
+    for n, pairs in entries:
+        row = np.zeros(bank.K, np.float32)
+        for k, s in pairs:
+            row[k] += s
+        rows.append(np.broadcast_to(row, (n, bank.K)))
+    return np.concatenate(rows) if rows else np.zeros((0, bank.K), np.float32)
+
+
+__all__ = ["SlotBank", "SlotsBusyError", "MaskPlan", "token_scales", "Any"]
