@@ -21,6 +21,7 @@ import numpy as np
 
 from . import config
 from .adapters import LoRAAdapter
+from .bank import SlotBank
 from .errors import AdapterError, EngineClosedError, LoramuxError, ParameterError
 from .generate import Completion, SamplingParams, fallback_template, render_chat
 from .model import Context, ContextOptions, Model
@@ -66,20 +67,28 @@ class Engine:
     """A base GGUF loaded once, with adapters that come and go while it serves. Thread-safe."""
 
     def __init__(self, model: Model, *, n_ctx: int = 4096, n_parallel: int = 1, n_batch: int = 512,
-                 n_threads: int | None = None, flash_attn: bool = False, kv_unified: bool = False) -> None:
+                 n_threads: int | None = None, flash_attn: bool = False, kv_unified: bool = False,
+                 slots: int = 0, slot_rank: int = 16) -> None:
         if n_parallel < 1:
             raise ParameterError("n_parallel", "must be ≥ 1")
+        if slots < 0:
+            raise ParameterError("slots", "must be ≥ 0 (0 = no slot bank)")
         self.model = model
         self.n_parallel = n_parallel
         self.registry = Registry()
-        self._ctx_opts = ContextOptions(n_ctx=n_ctx * (1 if kv_unified else n_parallel), n_batch=n_batch,
-                                        n_ubatch=min(n_batch, 512), n_seq_max=n_parallel, n_threads=n_threads,
-                                        kv_unified=kv_unified, flash_attn=flash_attn)
+        # The slot bank's per-token masks need the batch's token order in every node: a unified KV
+        # cache and one ubatch per decode (see bank.py).
+        self.bank = SlotBank(model, slots, slot_rank) if slots else None
+        unified = kv_unified or self.bank is not None
+        self._ctx_opts = ContextOptions(n_ctx=n_ctx * n_parallel if unified or n_parallel > 1 else n_ctx,
+                                        n_batch=n_batch, n_ubatch=n_batch if self.bank else min(n_batch, 512),
+                                        n_seq_max=n_parallel, n_threads=n_threads, kv_unified=unified,
+                                        flash_attn=flash_attn)
         self._eval_opts = ContextOptions(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=min(n_batch, 512),
                                          n_seq_max=1, n_threads=n_threads, flash_attn=flash_attn)
         self.n_ctx = n_ctx
-        self.ctx = Context(model, self._ctx_opts)
-        self.scheduler = Scheduler(model, self.ctx, n_parallel)
+        self.ctx = Context(model, self._ctx_opts, callback=self.bank.callback if self.bank else None)
+        self.scheduler = Scheduler(model, self.ctx, n_parallel, self.bank)
         self._eval_ctx: Context | None = None
         self.control: Any = None  # default control-vector setting (see control.py)
         self._retired: list[LoRAAdapter] = []
@@ -94,16 +103,18 @@ class Engine:
     def load(cls, model: str | os.PathLike[str] | None = None, *, loras: Sequence[LoraSpec | str] = (),
              n_ctx: int = 4096, n_parallel: int = 1, n_batch: int = 512, n_threads: int | None = None,
              n_gpu_layers: int = 0, use_mmap: bool = True, use_mlock: bool = False, flash_attn: bool = False,
-             kv_unified: bool = False, **source_options: Any) -> Engine:
+             kv_unified: bool = False, slots: int = 0, slot_rank: int = 16, **source_options: Any) -> Engine:
         """Load a base model (default: the embedded Gemma 3 270M) and apply `loras` in list order.
 
-        If any adapter fails, the whole load fails with that adapter's error and nothing stays loaded.
+        With `slots=K`, a slot bank of K adapters of rank ≤ `slot_rank` lets requests on different
+        adapters share every decode step (see bank.py). If any adapter fails, the whole load fails
+        with that adapter's error and nothing stays loaded.
         """
         path = config.default_model_path() if model is None else Path(model).expanduser()
         m = Model(path, n_gpu_layers=n_gpu_layers, use_mmap=use_mmap, use_mlock=use_mlock)
         try:
             eng = cls(m, n_ctx=n_ctx, n_parallel=n_parallel, n_batch=n_batch, n_threads=n_threads,
-                      flash_attn=flash_attn, kv_unified=kv_unified)
+                      flash_attn=flash_attn, kv_unified=kv_unified, slots=slots, slot_rank=slot_rank)
         except BaseException:
             m.close()
             raise
@@ -153,12 +164,20 @@ class Engine:
         """Run `fn` on the engine thread between decodes and return its result (re-raising its error)."""
         if threading.current_thread() is self._thread:
             return fn()
+        return self.call_async(fn).result()
+
+    def call_async(self, fn: Callable[[], T]) -> Future[T]:
+        """Queue `fn` for the engine thread and return its Future at once, without waiting.
+
+        Commands run in the order they were queued; the server relies on this to order a request's
+        submit against an adapter's removal.
+        """
         if self._closed:
             raise EngineClosedError("the engine is closed")
         fut: Future[T] = Future()
         self._commands.put((fn, fut))
         self._wake.set()
-        return fut.result()
+        return fut
 
     def _free_retired(self) -> None:
         for a in list(self._retired):
@@ -167,6 +186,8 @@ class Engine:
                 for c in (self.ctx, self._eval_ctx):
                     if c is not None and any(p == _ptr(a) for p, _ in c.handle._adapters):
                         c.handle.set_adapters([], [])
+                if self.bank is not None:
+                    self.bank.forget(a)
                 a.close()
 
     # ------------------------------------------------------------------ adapters
@@ -277,6 +298,11 @@ class Engine:
             aset = self.registry.resolve(loras)
             cv = self.control if control == "default" else control
             phases, alora = _phases(aset, cv, tokens)
+            if self.bank is not None:
+                uniq = {a.uid for a, _ in aset.items}
+                banked = len(uniq) <= self.bank.K and all(self.bank.eligible(a) for a, _ in aset.items)
+                for ph in phases:
+                    ph.banked = banked
             req = Request(tokens, params, phases, alora, on_event=on_event)
             for a, _ in aset.items:
                 a.version  # noqa: B018 - fingerprint taken now; later writes make a new key
@@ -298,6 +324,15 @@ class Engine:
     def stream(self, prompt: str | Sequence[int], *, loras: LoraArg = None, **sampling: Any) -> TextStream:
         """Like generate, but iterate over text chunks as they come; `.completion` is set at the end."""
         return TextStream(self.submit(prompt, loras=loras, **sampling))
+
+    def generate_many(self, prompts: Sequence[str | Sequence[int]], *, loras: Sequence[LoraArg] | None = None,
+                      **sampling: Any) -> list[Completion]:
+        """Generate for several prompts at once, each with its own adapter set; they share decode steps."""
+        sets = list(loras) if loras is not None else [None] * len(prompts)
+        if len(sets) != len(prompts):
+            raise ParameterError("loras", f"got {len(sets)} adapter sets for {len(prompts)} prompts")
+        streams = [self.stream(p, loras=s, **sampling) for p, s in zip(prompts, sets)]
+        return [s.consume() for s in streams]
 
     def chat(self, messages: Sequence[Mapping[str, Any]], *, loras: LoraArg = None, stream: bool = False,
              **sampling: Any) -> Completion | TextStream:
@@ -389,6 +424,8 @@ class Engine:
                 c.close()
         for a in list(self.registry.adapters.values()) + self._retired:
             a.close()
+        if self.bank is not None:
+            self.bank.close()
         self.model.close()
 
     def __enter__(self) -> Engine:

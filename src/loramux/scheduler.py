@@ -17,7 +17,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from . import _native as N
+from .bank import SlotBank, token_scales
 from .errors import BackendError, LoramuxError
 from .generate import Completion, SamplingParams, TextAssembler
 from .model import Context, Model
@@ -34,10 +37,18 @@ class Phase:
     adapters: AdapterSet
     cvec: Any  # control-vector setting with .key and .apply(ctx_handle); None = none
     start: int  # first position of the phase
+    banked: bool = False  # served through the slot bank (per-token masks) instead of the adapter set
+    slot_scales: list[tuple[int, float]] = field(default_factory=list)  # (slot, mask value) once admitted
 
     @property
     def key(self) -> tuple[Any, ...]:
+        """What the KV computed in this phase depends on: adapter identities, versions, scales, cvec."""
         return (self.adapters.key, getattr(self.cvec, "key", None))
+
+    @property
+    def group_key(self) -> tuple[Any, ...]:
+        """Requests with equal group keys share a decode: every banked phase shares one (masks differ)."""
+        return ("bank", getattr(self.cvec, "key", None)) if self.banked else self.key
 
 
 @dataclass
@@ -59,6 +70,7 @@ class Request:
     pending: int | None = None  # sampled token not yet decoded
     generated: list[int] = field(default_factory=list)
     sampler: N.SamplerHandle | None = None
+    slots: list[int] = field(default_factory=list)  # bank slots held while running
     text: TextAssembler | None = None
     first_token_at: float | None = None
 
@@ -82,9 +94,10 @@ class Request:
 class Scheduler:
     """Owns the serving context. Only the engine thread calls into it."""
 
-    def __init__(self, model: Model, ctx: Context, n_parallel: int) -> None:
+    def __init__(self, model: Model, ctx: Context, n_parallel: int, bank: SlotBank | None = None) -> None:
         self.model = model
         self.ctx = ctx
+        self.bank = bank
         self.n_parallel = n_parallel
         self.waiting: list[Request] = []
         self.slots: list[Request | None] = [None] * n_parallel
@@ -108,6 +121,21 @@ class Scheduler:
     def submit(self, req: Request) -> None:
         self.waiting.append(req)
 
+    def snapshot(self) -> dict[str, Any]:
+        """Load figures for metrics. Safe from any thread: it reads copies, so values may be a step old."""
+        waiting = list(self.waiting)
+        running = [r for r in list(self.slots) if r is not None]
+
+        def per_adapter(reqs: list[Request]) -> dict[str, int]:
+            out: dict[str, int] = {}
+            for r in reqs:
+                for a, _ in r.phases[-1].adapters.items:
+                    out[a.name] = out.get(a.name, 0) + 1
+            return out
+        return {"waiting": len(waiting), "running": len(running), "kv_used": sum(r.n_past for r in running),
+                "kv_total": self.ctx.n_ctx, "running_adapters": per_adapter(running),
+                "waiting_adapters": per_adapter(waiting), **dict(self.stats)}
+
     # -- one step -----------------------------------------------------------------------------
     def step(self) -> None:
         self._drop_cancelled()
@@ -116,12 +144,17 @@ class Scheduler:
         if not runnable:
             return
         group = self._pick_group(runnable)
-        members = [r for r in runnable if r.phase_at(r.n_past).key == group]
+        members = [r for r in runnable if r.phase_at(r.n_past).group_key == group]
         phase = members[0].phase_at(members[0].n_past)  # before _fill_batch advances n_past
-        plan = self._fill_batch(members)
+        plan, entries = self._fill_batch(members)
         try:
             self._apply(phase)
+            if self.bank is not None:
+                out_rows = np.nonzero(self.ctx.batch.logits[: self.ctx.batch.n])[0]
+                self.bank.set_plan(token_scales(self.bank, entries), out_rows)
             self.ctx.handle.decode(self.ctx.batch)
+            if self.bank is not None:
+                self.bank.check()
         except LoramuxError as e:
             for r, _ in plan:
                 self._finish(r, error=e)
@@ -141,8 +174,12 @@ class Scheduler:
                 self._finish(r, reason="cancelled")
 
     def _admit(self) -> None:
+        blocked: list[Request] = []
         while self.waiting and None in self.slots:
             r = self.waiting.pop(0)
+            if not self._acquire_slots(r):
+                blocked.append(r)  # its adapters wait for bank slots; later requests may still go
+                continue
             free = [i for i, s in enumerate(self.slots) if s is None]
             seq, keep = max(((i, self._reusable(i, r)) for i in free), key=lambda x: x[1])
             if keep == 0 or not self.ctx.handle.memory_seq_rm(seq, keep, -1):
@@ -153,6 +190,26 @@ class Scheduler:
             r.text = TextAssembler(r.params.stop)
             self.slots[seq] = r
             self.stats["prompt_tokens"] += len(r.prompt)
+        self.waiting[:0] = blocked
+
+    def _acquire_slots(self, r: Request) -> bool:
+        """Bank slots for every adapter of the request's banked phases (all or none)."""
+        if self.bank is None or not any(ph.banked for ph in r.phases):
+            return True
+        got: dict[int, int] = {}
+        for ph in r.phases:
+            for a, _ in ph.adapters.items if ph.banked else ():
+                if a.uid not in got:
+                    k = self.bank.acquire(a)
+                    if k is None:
+                        for held in got.values():
+                            self.bank.release(held)
+                        return False
+                    got[a.uid] = k
+        for ph in r.phases:
+            ph.slot_scales = [(got[a.uid], s * a.scaling) for a, s in ph.adapters.items] if ph.banked else []
+        r.slots = list(got.values())
+        return True
 
     def _reusable(self, seq: int, r: Request) -> int:
         key, toks = self.slot_cache[seq]
@@ -168,7 +225,7 @@ class Scheduler:
     def _pick_group(self, runnable: list[Request]) -> tuple[Any, ...]:
         keys = []
         for r in sorted(runnable, key=lambda r: r.arrived):
-            k = r.phase_at(r.n_past).key
+            k = r.phase_at(r.n_past).group_key
             if k not in keys:
                 keys.append(k)
         if self.group in keys and (self.group_steps < GROUP_RUN_STEPS or len(keys) == 1):
@@ -178,13 +235,17 @@ class Scheduler:
         self.group, self.group_steps = nxt, 1
         return nxt
 
-    def _fill_batch(self, members: list[Request]) -> list[tuple[Request, int | None]]:
+    def _fill_batch(self, members: list[Request]
+                    ) -> tuple[list[tuple[Request, int | None]], list[tuple[int, list[tuple[int, float]]]]]:
+        """Fill the batch; returns the sampling plan and, in batch order, (n_tokens, slot scales) entries."""
         b = self.ctx.batch
         b.clear()
         plan: list[tuple[Request, int | None]] = []
+        entries: list[tuple[int, list[tuple[int, float]]]] = []
         # decode tokens first (one each, cheap), then prompt chunks with what is left of n_batch
         for r in members:
             if r.pending is not None:
+                entries.append((1, r.phase_at(r.n_past).slot_scales))
                 b.add([r.pending], r.n_past, r.seq, True)
                 plan.append((r, b.n - 1))
                 r.n_past += 1
@@ -195,13 +256,16 @@ class Scheduler:
             end = min(len(r.prompt), r.n_past + b.capacity - b.n, _phase_end(r))
             chunk = r.prompt[r.n_past:end]
             last = end == len(r.prompt)
+            entries.append((len(chunk), r.phase_at(r.n_past).slot_scales))
             b.add(chunk, r.n_past, r.seq, [False] * (len(chunk) - 1) + [last])
             plan.append((r, b.n - 1 if last else None))
             r.n_past = end
-        return plan
+        return plan, entries
 
     def _apply(self, phase: Phase) -> None:
-        adapters = phase.adapters.items
+        adapters = [] if phase.banked else list(phase.adapters.items)
+        if self.bank is not None:
+            adapters.insert(0, (self.bank.adapter, 1.0))  # always in the graph: masks do the selecting
         before = self.ctx.handle._adapters
         self.ctx.handle.set_adapters([a.handle for a, _ in adapters], [s for _, s in adapters])
         if self.ctx.handle._adapters != before:
@@ -250,6 +314,10 @@ class Scheduler:
                 self.slot_cache[r.seq] = ((), [])
         if r.sampler is not None:
             r.sampler.close()
+        if self.bank is not None:
+            for k in r.slots:
+                self.bank.release(k)
+            r.slots = []
         if error is not None:
             r.emit("error", error)
             return
