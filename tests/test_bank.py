@@ -72,10 +72,10 @@ def test_mixed_batch_is_bit_identical_to_padded_controls(setup):
     wants = [[(slots[0], 1.0)], [(slots[1], 1.0)], [(slots[2], 1.0)], []]
     ctx = _ctx(model, bank.callback)
     ctx.handle.set_adapters([bank.adapter.handle], [1.0])
-    out_rows = np.nonzero(np.concatenate([[0] * (len(t) - 1) + [1] for t in seq_tokens]))[0]
+    out_flags = np.concatenate([[0] * (len(t) - 1) + [1] for t in seq_tokens]) != 0
 
     def plan():
-        bank.set_plan(token_scales(bank, [(len(t), w) for t, w in zip(seq_tokens, wants)]), out_rows)
+        bank.set_plan(token_scales(bank, [(len(t), w) for t, w in zip(seq_tokens, wants)]), out_flags)
     mixed = _run_batch(ctx, model, seq_tokens, plan)
     bank.check()
     ctx.close()
@@ -128,7 +128,7 @@ def test_mask_check_fails_loudly_on_plan_mismatch(setup):
     toks = model.tokenize(PROMPTS[0])
 
     def wrong_plan():  # planned for a different number of tokens than the batch holds
-        bank.set_plan(np.zeros((len(toks) + 3, K), np.float32), np.array([0]))
+        bank.set_plan(np.zeros((len(toks) + 3, K), np.float32), np.array([True] + [False] * (len(toks) + 2)))
     _run_batch(ctx, model, [toks], wrong_plan)
     with pytest.raises(BackendError, match="bank nodes"):
         bank.check()

@@ -181,6 +181,26 @@ def tensor_set_2d(ptr: int, data: np.ndarray, offset: int, row_bytes: int, n_row
     _ggml.ggml_backend_tensor_set_2d(ptr, data.ctypes.data, offset, row_bytes, n_rows, stride_tensor, row_bytes)
 
 
+TILED_ENV = "GGML_CPU_TILED_MM"
+# ggml reads GGML_CPU_TILED_MM once, at the first matmul of the process: remember what it saw.
+_first_decode_env: str | None = None
+
+
+def enable_batch_invariant_kernels() -> None:
+    """Turn off ggml's tiled CPU matmul (its results depend on how many tokens share a matmul).
+
+    Must happen before the first decode of the process; raises BackendError if it is too late.
+    """
+    if _first_decode_env is None:
+        os.environ[TILED_ENV] = "0"
+        return
+    if _first_decode_env != "0":
+        raise BackendError("deterministic mode", None,
+                           f"ggml already read {TILED_ENV}={_first_decode_env or '(unset)'} at this process's first decode",
+                           hint=f"create the deterministic engine before any other decode, or start the process "
+                                f"with {TILED_ENV}=0")
+
+
 def system_info() -> str:
     return C.llama_print_system_info().decode("utf-8", errors="replace")
 
@@ -238,9 +258,12 @@ class ModelHandle(_Handle):
 
     @classmethod
     def load(cls, path: str, *, n_gpu_layers: int = 0, use_mmap: bool = True, use_mlock: bool = False,
-             vocab_only: bool = False) -> ModelHandle:
+             vocab_only: bool = False, repack: bool = True) -> ModelHandle:
         p = C.llama_model_default_params()
         p.n_gpu_layers = n_gpu_layers
+        # Repacked CPU weights (extra buffer types) compute a token differently depending on how many
+        # tokens share the matmul; deterministic serving turns them off at load time.
+        p.use_extra_bufts = repack
         if hasattr(p, "use_mmap"):
             p.use_mmap = use_mmap
             p.use_mlock = use_mlock
@@ -254,6 +277,7 @@ class ModelHandle(_Handle):
                                hint="the log (logger 'loramux.llama') has llama.cpp's reason")
         h = cls(ptr)
         h.vocab = C.llama_model_get_vocab(ptr)
+        h.repack = repack
         return h
 
     @property
@@ -386,6 +410,9 @@ class ContextHandle(_Handle):
         return h
 
     def decode(self, batch: Batch) -> None:
+        global _first_decode_env
+        if _first_decode_env is None:
+            _first_decode_env = os.environ.get(TILED_ENV, "")
         rc = C.llama_decode(self.ptr, batch.struct)
         if rc != 0:
             detail = {1: "no KV cache slot for the batch (context full)", 2: "aborted",

@@ -56,12 +56,53 @@ class _Slot:
 
 @dataclass
 class MaskPlan:
-    """Per-token mask of one decode: full rows for every batch token, and the rows that request logits."""
+    """Per-token masks of one decode, one (full, out) pair per ubatch in llama.cpp's processing order.
 
-    full: np.ndarray  # (n_tokens, K·r) float32
-    out: np.ndarray  # (n_outputs, K·r)
+    `full` has a row per token of the ubatch (in the ubatch's token order), `out` the rows of the
+    tokens that request logits (what remains in the last block).
+    """
+
+    ubatches: list[tuple[np.ndarray, np.ndarray]]
+    per_ubatch: int  # bank nodes each ubatch's graph holds
     masked: int = 0
     problems: list[str] = field(default_factory=list)
+
+    def current(self) -> tuple[np.ndarray, np.ndarray] | None:
+        u = self.masked // self.per_ubatch
+        return self.ubatches[u] if u < len(self.ubatches) else None
+
+
+def plan_ubatches(seq_ids: np.ndarray, n_ubatch: int, unified: bool) -> list[np.ndarray]:
+    """The batch indices of each ubatch, as llama.cpp's batch allocator will split this batch.
+
+    Unified KV cache: consecutive slices (`split_simple`). Otherwise `split_equal(sequential)`: each
+    ubatch takes runs of consecutive sequence ids and the same number of tokens from each, grouped
+    by sequence. One sequence per token (no coupled sequences), as the scheduler builds batches.
+    """
+    n = len(seq_ids)
+    if unified:
+        return [np.arange(i, min(i + n_ubatch, n)) for i in range(0, n, n_ubatch)]
+    used = np.zeros(n, bool)
+    out = []
+    while not used.all():
+        cur: list[int] = []
+        for i in range(n):
+            s = int(seq_ids[i])
+            if used[i] or s in cur or (cur and s != cur[-1] + 1):
+                continue
+            cur.append(s)
+            if len(cur) > n_ubatch:
+                break
+        queues = [[i for i in range(n) if not used[i] and seq_ids[i] == s] for s in cur]
+        per: list[list[int]] = [[] for _ in cur]
+        while all(len(q) > len(p) for q, p in zip(queues, per)):
+            for q, p in zip(queues, per):
+                p.append(q[len(p)])
+                used[q[len(p) - 1]] = True
+            if (len(per[0]) + 1) * len(cur) > n_ubatch:
+                break
+        out.append(np.array([i for p in per for i in p], dtype=np.int64))
+    return out
 
 
 class SlotBank:
@@ -153,10 +194,17 @@ class SlotBank:
         self.writes += 1
 
     # -- masks ---------------------------------------------------------------------------------
-    def set_plan(self, token_scales: np.ndarray, out_rows: np.ndarray) -> None:
-        """Masks for the next decode: token_scales (n_tokens, K) → per-row blocks of width r."""
+    def set_plan(self, token_scales: np.ndarray, out_flags: np.ndarray,
+                 ubatches: list[np.ndarray] | None = None) -> None:
+        """Masks for the next decode: token_scales (n_tokens, K) in batch order → blocks of width r.
+
+        `out_flags[i]` says batch token i requests logits; `ubatches` (batch indices per ubatch, from
+        plan_ubatches) says how llama.cpp will split the batch (default: one ubatch in batch order).
+        """
         full = np.repeat(np.asarray(token_scales, np.float32), self.r, axis=1)
-        self.plan = MaskPlan(full, full[out_rows])
+        flags = np.asarray(out_flags, bool)
+        ubs = ubatches if ubatches is not None else [np.arange(len(full))]
+        self.plan = MaskPlan([(full[u], full[u[flags[u]]]) for u in ubs], len(self.targets))
 
     def callback(self, t: int, ask: bool) -> bool:
         """cb_eval: stop at bank A·x nodes and scale them in place; never truncate the graph."""
@@ -165,12 +213,17 @@ class SlotBank:
                 return False
             return ctypes.c_void_p.from_address(t + _OFF_SRC0).value in self._a_ptrs
         plan = self.plan
-        if plan is None:
+        cur = plan.current() if plan is not None else None
+        if plan is None or cur is None:
+            if plan is not None:
+                plan.problems.append("more bank nodes than planned ubatches")
             return True
+        full, out = cur
         n_tok = ctypes.c_int64.from_address(t + _OFF_NE1).value
-        mask = plan.full if n_tok == plan.full.shape[0] else plan.out if n_tok == plan.out.shape[0] else None
+        mask = full if n_tok == full.shape[0] else out if n_tok == out.shape[0] else None
         if mask is None:
-            plan.problems.append(f"node with {n_tok} tokens matches neither {plan.full.shape[0]} nor {plan.out.shape[0]}")
+            plan.problems.append(f"node with {n_tok} tokens matches neither {full.shape[0]} nor {out.shape[0]}")
+            plan.masked += 1
             return True
         data = N.tensor_get(t, np.empty((n_tok, self.width), np.float32))
         data *= mask
@@ -183,9 +236,10 @@ class SlotBank:
         plan, self.plan = self.plan, None
         if plan is None:
             return
-        if plan.problems or plan.masked != len(self.targets):
+        want = plan.per_ubatch * len(plan.ubatches)
+        if plan.problems or plan.masked != want:
             raise BackendError("slot bank masks", None,
-                               f"masked {plan.masked} of {len(self.targets)} bank nodes; "
+                               f"masked {plan.masked} of {want} bank nodes; "
                                + "; ".join(plan.problems[:3]),
                                hint="llama.cpp's graph no longer matches the bank plan; serve without slots")
 
@@ -205,4 +259,4 @@ def token_scales(bank: SlotBank, entries: list[tuple[int, list[tuple[int, float]
     return np.concatenate(rows) if rows else np.zeros((0, bank.K), np.float32)
 
 
-__all__ = ["SlotBank", "SlotsBusyError", "MaskPlan", "token_scales", "Any"]
+__all__ = ["SlotBank", "SlotsBusyError", "MaskPlan", "plan_ubatches", "token_scales", "Any"]

@@ -47,7 +47,7 @@ class Model:
     """A base GGUF model loaded once; adapters and contexts hang off it."""
 
     def __init__(self, path: str | os.PathLike[str], *, n_gpu_layers: int = 0, use_mmap: bool = True,
-                 use_mlock: bool = False) -> None:
+                 use_mlock: bool = False, repack: bool = True) -> None:
         p = Path(path).expanduser()
         if not p.is_file():
             raise ModelError(str(p), "file not found" if not p.exists() else "not a regular file",
@@ -61,7 +61,7 @@ class Model:
                              hint="pass it with --lora / set_lora(...) and give the base model as MODEL")
         self.path = p
         self.handle = N.ModelHandle.load(str(p), n_gpu_layers=n_gpu_layers, use_mmap=use_mmap,
-                                         use_mlock=use_mlock)
+                                         use_mlock=use_mlock, repack=repack)
         self.n_embd = self.handle.n_embd
         self.n_layer = self.handle.n_layer
         self.n_vocab = self.handle.n_vocab

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from . import _native as N
 from . import config
 from .adapters import LoRAAdapter
 from .bank import SlotBank
@@ -68,7 +69,7 @@ class Engine:
 
     def __init__(self, model: Model, *, n_ctx: int = 4096, n_parallel: int = 1, n_batch: int = 512,
                  n_threads: int | None = None, flash_attn: bool = False, kv_unified: bool = False,
-                 slots: int = 0, slot_rank: int = 16) -> None:
+                 slots: int = 0, slot_rank: int = 16, deterministic: bool = False) -> None:
         if n_parallel < 1:
             raise ParameterError("n_parallel", "must be ≥ 1")
         if slots < 0:
@@ -79,7 +80,12 @@ class Engine:
         # The slot bank's per-token masks need the batch's token order in every node: a unified KV
         # cache and one ubatch per decode (see bank.py).
         self.bank = SlotBank(model, slots, slot_rank) if slots else None
-        unified = kv_unified or self.bank is not None
+        self.deterministic = deterministic
+        if deterministic:
+            _check_deterministic(model, flash_attn, kv_unified)
+        # Deterministic serving keeps one KV stream per sequence; the bank then plans its masks from
+        # llama.cpp's per-sequence ubatch split (bank.plan_ubatches).
+        unified = kv_unified or (self.bank is not None and not deterministic)
         self._ctx_opts = ContextOptions(n_ctx=n_ctx * n_parallel if unified or n_parallel > 1 else n_ctx,
                                         n_batch=n_batch, n_ubatch=n_batch if self.bank else min(n_batch, 512),
                                         n_seq_max=n_parallel, n_threads=n_threads, kv_unified=unified,
@@ -103,18 +109,26 @@ class Engine:
     def load(cls, model: str | os.PathLike[str] | None = None, *, loras: Sequence[LoraSpec | str] = (),
              n_ctx: int = 4096, n_parallel: int = 1, n_batch: int = 512, n_threads: int | None = None,
              n_gpu_layers: int = 0, use_mmap: bool = True, use_mlock: bool = False, flash_attn: bool = False,
-             kv_unified: bool = False, slots: int = 0, slot_rank: int = 16, **source_options: Any) -> Engine:
+             kv_unified: bool = False, slots: int = 0, slot_rank: int = 16, deterministic: bool = False,
+             **source_options: Any) -> Engine:
         """Load a base model (default: the embedded Gemma 3 270M) and apply `loras` in list order.
 
         With `slots=K`, a slot bank of K adapters of rank ≤ `slot_rank` lets requests on different
-        adapters share every decode step (see bank.py). If any adapter fails, the whole load fails
-        with that adapter's error and nothing stays loaded.
+        adapters share every decode step (see bank.py). With `deterministic=True` a request's tokens
+        do not depend on what else is batched with it (batch-invariant kernels; see README). If any
+        adapter fails, the whole load fails with that adapter's error and nothing stays loaded.
         """
         path = config.default_model_path() if model is None else Path(model).expanduser()
-        m = Model(path, n_gpu_layers=n_gpu_layers, use_mmap=use_mmap, use_mlock=use_mlock)
+        if deterministic:
+            if flash_attn or kv_unified:
+                _check_deterministic(None, flash_attn, kv_unified)
+            N.enable_batch_invariant_kernels()
+        m = Model(path, n_gpu_layers=n_gpu_layers, use_mmap=use_mmap, use_mlock=use_mlock,
+                  repack=not deterministic)
         try:
             eng = cls(m, n_ctx=n_ctx, n_parallel=n_parallel, n_batch=n_batch, n_threads=n_threads,
-                      flash_attn=flash_attn, kv_unified=kv_unified, slots=slots, slot_rank=slot_rank)
+                      flash_attn=flash_attn, kv_unified=kv_unified, slots=slots, slot_rank=slot_rank,
+                      deterministic=deterministic)
         except BaseException:
             m.close()
             raise
@@ -465,6 +479,22 @@ class TextStream(Iterator[str]):
 
     def close(self) -> None:
         self.cancel()
+
+
+def _check_deterministic(model: Model | None, flash_attn: bool, kv_unified: bool) -> None:
+    """Refuse settings that make a sequence's arithmetic depend on its batch."""
+    problems = []
+    if flash_attn:
+        problems.append("flash attention takes other code paths for long caches and large prefills")
+    if kv_unified:
+        problems.append("a unified KV cache puts a sequence's tokens in batch-dependent cells")
+    if model is not None and model.handle.repack:
+        problems.append("the model was loaded with repacked weights (load it with repack=False)")
+    if model is not None and os.environ.get(N.TILED_ENV) != "0":
+        problems.append(f"{N.TILED_ENV} is not 0 (ggml's tiled matmul is batch-variant)")
+    if problems:
+        raise ParameterError("deterministic", "these settings are not batch-invariant: " + "; ".join(problems),
+                             hint="use Engine.load(..., deterministic=True), which sets all of this up")
 
 
 def _phases(aset: AdapterSet, cv: Any, tokens: list[int]) -> tuple[list[Phase], dict[str, bool]]:

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from . import _native as N
-from .bank import SlotBank, token_scales
+from .bank import SlotBank, plan_ubatches, token_scales
 from .errors import BackendError, LoramuxError
 from .generate import Completion, SamplingParams, TextAssembler
 from .model import Context, Model
@@ -150,8 +150,9 @@ class Scheduler:
         try:
             self._apply(phase)
             if self.bank is not None:
-                out_rows = np.nonzero(self.ctx.batch.logits[: self.ctx.batch.n])[0]
-                self.bank.set_plan(token_scales(self.bank, entries), out_rows)
+                b, o = self.ctx.batch, self.ctx.opts
+                ubs = plan_ubatches(b.seq[: b.n], o.n_ubatch, o.kv_unified)
+                self.bank.set_plan(token_scales(self.bank, entries), b.logits[: b.n] != 0, ubs)
             self.ctx.handle.decode(self.ctx.batch)
             if self.bank is not None:
                 self.bank.check()

@@ -1,0 +1,77 @@
+"""Run in a fresh process (ggml reads its kernel switches once per process): solo vs concurrent requests.
+
+Prints one JSON line: how many texts and logit rows are identical between solo and batched runs.
+Usage: python det_worker.py MODEL deterministic(0|1) slots ADAPTER...
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+
+import numpy as np
+
+import loramux as lm
+from loramux.model import Context, ContextOptions
+
+
+def main() -> None:
+    model, det, slots, adapters = sys.argv[1], sys.argv[2] == "1", int(sys.argv[3]), sys.argv[4:]
+    eng = lm.Engine.load(model, n_ctx=1024, n_parallel=8, n_batch=256, n_threads=2, deterministic=det,
+                         slots=slots, slot_rank=8, loras=[lm.LoraSpec(a, 0.0) for a in adapters])
+    names = list(eng.adapters)
+    sets = [{}] + [{n: 1.0} for n in names] + ([{names[0]: 0.5, names[-1]: 0.5}] if names else [])
+    long_text = "The history of the river valley is long and full of change. " * 12
+    prompts = [f"Question {i}: tell me about {w}." for i, w in enumerate(
+        ["cats", "rivers", "the moon", "bread", "music", "trains", "snow", "gardens", "maps", "clocks",
+         "bees", "ships"])] + [long_text + f" Part {i}." for i in range(4)]
+    jobs = [(p, sets[i % len(sets)]) for i, p in enumerate(prompts)]
+    solo = [eng.generate(p, loras=s, max_tokens=24, ignore_eos=True).text for p, s in jobs]
+    out: list[str | None] = [None] * len(jobs)
+
+    def run(i: int, delay: float) -> None:
+        time.sleep(delay)
+        out[i] = eng.generate(jobs[i][0], loras=jobs[i][1], max_tokens=24, ignore_eos=True).text
+    threads = [threading.Thread(target=run, args=(i, 0.05 * (i % 5))) for i in range(len(jobs))]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    same_text = sum(a == b for a, b in zip(solo, out))
+    rows = logits_rows(eng, [p for p, _ in jobs[:8]]) if det or not slots else (0, 0)
+    eng.close()
+    print(json.dumps({"texts": len(jobs), "same_text": same_text, "rows": rows[1], "same_rows": rows[0]}))
+
+
+def logits_rows(eng: lm.Engine, prompts: list[str]) -> tuple[int, int]:
+    """Engine-level: per-sequence logits, 8 sequences alone vs batched, over a prefill and 6 steps."""
+    toks = [eng.tokenize(p) for p in prompts]
+    o = eng.ctx.opts
+
+    def run(batched: bool) -> list[list[np.ndarray]]:
+        ctx = Context(eng.model, ContextOptions(n_ctx=o.n_ctx, n_batch=o.n_batch, n_ubatch=o.n_ubatch,
+                                                n_seq_max=8, n_threads=2, kv_unified=o.kv_unified))
+        rows: list[list[np.ndarray]] = [[] for _ in toks]
+        try:
+            for group in ([list(range(len(toks)))] if batched else [[i] for i in range(len(toks))]):
+                pending = {i: (toks[i], 0) for i in group}
+                for _ in range(7):
+                    ctx.batch.clear()
+                    for i, (t, pos) in pending.items():
+                        ctx.batch.add(t, pos, i, [False] * (len(t) - 1) + [True])
+                    ctx.handle.decode(ctx.batch)
+                    idx = np.nonzero(ctx.batch.logits[: ctx.batch.n])[0]
+                    for j, i in zip(idx, pending):
+                        row = ctx.handle.logits_row(int(j))
+                        rows[i].append(row)
+                        pending[i] = ([int(np.argmax(row))], pending[i][1] + len(pending[i][0]))
+        finally:
+            ctx.close()
+        return rows
+    a, b = eng.call(lambda: run(False)), eng.call(lambda: run(True))
+    pairs = [(x, y) for ra, rb in zip(a, b) for x, y in zip(ra, rb)]
+    return sum(np.array_equal(x, y) for x, y in pairs), len(pairs)
+
+
+if __name__ == "__main__":
+    main()

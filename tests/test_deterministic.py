@@ -1,0 +1,61 @@
+"""Deterministic serving: the same request gives the same tokens alone and under concurrent load.
+
+Each case runs in a fresh process: ggml reads its kernel switches once per process.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from loramux.gguf_io import write_adapter
+
+WORKER = Path(__file__).with_name("det_worker.py")
+PROJ = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def _adapters(model_path: Path, tmp: Path, n: int = 3, rank: int = 8, scale: float = 0.03) -> list[str]:
+    from loramux.gguf_io import read_header
+
+    h = read_header(model_path)
+    shapes = {n_: t.shape for n_, t in h.tensors.items()}
+    out = []
+    for k in range(n):
+        rng = np.random.default_rng(50 + k)
+        f = {}
+        for i in range(int(h.arch_value("block_count"))):
+            for p in PROJ:
+                o, n_in = shapes[f"blk.{i}.{p}.weight"]
+                f[f"blk.{i}.{p}.weight"] = (rng.standard_normal((rank, n_in)).astype(np.float32) * scale,
+                                            rng.standard_normal((o, rank)).astype(np.float32) * scale)
+        out.append(str(write_adapter(tmp / f"d{k}.gguf", h.architecture, f, float(rank))))
+    return out
+
+
+def _run(model: Path, det: bool, slots: int, adapters: list[str]) -> dict:
+    r = subprocess.run([sys.executable, str(WORKER), str(model), "1" if det else "0", str(slots), *adapters],
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.gemma
+@pytest.mark.slow
+@pytest.mark.parametrize("slots", [0, 4])
+def test_deterministic_mode_is_batch_invariant(gemma_path, tmp_path, slots):
+    res = _run(gemma_path, True, slots, _adapters(gemma_path, tmp_path))
+    assert res["same_text"] == res["texts"], res
+    assert res["same_rows"] == res["rows"] and res["rows"] > 0, res
+
+
+def test_deterministic_refuses_batch_variant_settings(tiny_model):
+    import loramux as lm
+
+    with pytest.raises(lm.LoramuxError) as ei:
+        lm.Engine.load(tiny_model, n_ctx=128, deterministic=True, flash_attn=True)
+    assert "flash attention" in str(ei.value)
