@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
+
+# llama.cpp's OpenMP workers spin while waiting by default; on a 2-core machine shared with the test
+# process (and servers it starts) that spinning steals the cores. Passive waiting changes no result.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np
 import pytest

@@ -36,8 +36,8 @@ _LAZY = {
     "LoRAAdapter": "adapters", "Model": "model", "Completion": "generate", "SamplingParams": "generate",
     "ControlVector": "control",
     "Source": "sources", "resolve": "sources", "CancelToken": "sources",
-    "convert_peft": "convert", "export_peft": "convert", "merge": "merge",
-    "probe": "probe", "drift": "probe", "train_zo": "train.zo",
+    "convert_peft": "convert", "export_peft": "convert", "merge": "merging",
+    "probe": "probes", "drift": "drift_report", "train_zo": "train.zo",
     "default_model_path": "config",
 }
 

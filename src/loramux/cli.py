@@ -30,7 +30,7 @@ Adapters (SRC) may be a path, an https:// URL or hf://owner/repo/file.gguf[@revi
 """
 
 # Feature modules that add subcommands; a missing one (optional extra) just hides its commands.
-FEATURE_MODULES = ("sources", "cli_convert", "cli_serve", "probe", "control", "train.cli", "cli_bench")
+FEATURE_MODULES = ("sources", "cli_convert", "cli_serve", "probes", "control", "train.cli", "cli_bench")
 
 
 def add_model_args(p: argparse.ArgumentParser, *, loras: bool = True) -> None:

@@ -60,6 +60,7 @@ class Model:
             raise ModelError(str(p), "this is a LoRA adapter, not a base model",
                              hint="pass it with --lora / set_lora(...) and give the base model as MODEL")
         self.path = p
+        self.n_gpu_layers = n_gpu_layers
         self.handle = N.ModelHandle.load(str(p), n_gpu_layers=n_gpu_layers, use_mmap=use_mmap,
                                          use_mlock=use_mlock, repack=repack)
         self.n_embd = self.handle.n_embd

@@ -25,7 +25,7 @@ from .adapters import LoRAAdapter
 from .bank import SlotBank
 from .errors import AdapterError, EngineClosedError, LoramuxError, ParameterError
 from .generate import Completion, SamplingParams, fallback_template, render_chat
-from .model import Context, ContextOptions, Model
+from .model import Context, ContextOptions, Model, default_threads
 from .registry import AdapterSet, LoraArg, Registry, check_scale
 from .scheduler import Phase, Request, Scheduler
 
@@ -258,6 +258,11 @@ class Engine:
                 self._retired.append(self.registry.remove(n))
             self._free_retired()
         self.call(clear)
+
+    @property
+    def n_threads(self) -> int:
+        """CPU threads llama.cpp uses for this engine's decodes."""
+        return self._eval_opts.n_threads or default_threads()
 
     @property
     def active(self) -> dict[str, float]:

@@ -1,0 +1,234 @@
+"""Known-answer probe and drift report, on the tiny model (real llama.cpp) and on the real default model."""
+
+from __future__ import annotations
+
+import json
+from importlib.resources import files
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tinymodel import write_tiny_model
+
+import loramux as lm
+from loramux.cli import main
+from loramux.drift_report import drift, golden_prompts
+from loramux.errors import ProbeMismatch
+from loramux.gguf_io import read_adapter_factors, write_adapter
+from loramux.probes import N_TOKENS, ROWS, ProbeResult, probe, probe_tokens
+
+THREADS = 2  # part of the build identity: the committed reference was made with 2 threads
+
+
+def _stable(r: ProbeResult) -> dict:
+    d = r.to_dict()
+    d.pop("run")  # timestamp and elapsed time: the only fields allowed to differ run to run
+    return d
+
+
+@pytest.fixture(scope="module")
+def ref(tiny_model: Path) -> ProbeResult:
+    return probe(tiny_model, threads=THREADS)
+
+
+@pytest.fixture(scope="module")
+def ref_file(ref: ProbeResult, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return ref.write(tmp_path_factory.mktemp("probe") / "ref.json")
+
+
+# ------------------------------------------------------------------------------------------ probe
+def test_probe_rows_and_invariants(ref: ProbeResult):
+    assert list(ref.rows) == list(ROWS)
+    assert ref.violations == []
+    rows = ref.rows
+    assert all(r.tokens == 4 * (N_TOKENS - 1) and len(r.per_prompt) == 4 for r in rows.values())
+    # exact where the math says exact
+    assert rows["zero"].per_prompt == rows["base"].per_prompt
+    assert rows["dropped"].per_prompt == rows["base"].per_prompt
+    assert rows["restored"].per_prompt == rows["adapter"].per_prompt
+    # and clearly moved where it should move
+    assert abs(rows["adapter"].loss - rows["base"].loss) > 1e-2
+    assert rows["plus_eps"].loss != rows["minus_eps"].loss
+    assert ref.build["threads"] == THREADS and ref.build["backend"] == "cpu"
+    assert ref.adapter["file"] == "builtin" and ref.adapter["rank"] == 2 and ref.adapter["n_factors"] == 14
+
+
+def test_probe_is_bit_identical_run_to_run(tiny_model: Path, ref: ProbeResult):
+    # through the package's lazy export: `lm.probe` must be callable although loramux.probes is imported
+    again = lm.probe(tiny_model, threads=THREADS)
+    assert _stable(again) == _stable(ref)
+    a, b = json.loads(again.to_json()), json.loads(ref.to_json())
+    a.pop("run"), b.pop("run")
+    assert a == b
+    again.check(ref)  # exact equality passes
+
+
+def test_probe_tokens_are_fixed_length(engine):
+    toks = probe_tokens(engine.tokenize)
+    assert [len(t) for t in toks] == [N_TOKENS] * 4
+    short = probe_tokens(lambda text: [1, 7, 8, 9], n_tokens=10)  # padded by repeating the body
+    assert short[0] == [1, 7, 8, 9, 7, 8, 9, 7, 8, 9]
+
+
+def test_check_passes_against_own_reference_file(tiny_model: Path, ref: ProbeResult, ref_file: Path):
+    run = probe(tiny_model, threads=THREADS, check=ref_file)
+    loaded = ProbeResult.load(ref_file)
+    assert _stable(loaded) == _stable(ref)  # the JSON file round-trips every float64 exactly
+    assert run.rows["adapter"].nll_sum == loaded.rows["adapter"].nll_sum
+
+
+def test_one_ulp_change_is_caught_and_named(ref: ProbeResult, tiny_model: Path):
+    d = json.loads(ref.to_json())
+    x = d["rows"]["minus_eps"]["per_prompt"][2]
+    d["rows"]["minus_eps"]["per_prompt"][2] = float(np.nextafter(x, np.inf))
+    nudged = ProbeResult.from_dict(d)
+    run = probe(tiny_model, threads=THREADS)
+    with pytest.raises(ProbeMismatch) as ei:
+        run.check(nudged)
+    assert set(ei.value.rows) == {"minus_eps"}
+    assert "minus_eps" in str(ei.value) and "prompts moved: 2 (NLL Δ -" in str(ei.value)
+    run.check(nudged, rtol=1e-12)  # within a stated tolerance it passes
+
+
+def test_changed_adapter_factor_moves_the_adapter_rows(tiny_model: Path, tiny_dir: Path, tmp_path: Path):
+    src = tiny_dir / "a.gguf"
+    with_a = probe(tiny_model, src, threads=THREADS)
+    assert with_a.violations == []
+    factors = read_adapter_factors(src)
+    name = sorted(factors)[3]
+    a, b = factors[name]
+    b = b.copy()
+    b[0, 0] += 0.05  # one factor element changes
+    factors[name] = (a, b)
+    changed = write_adapter(tmp_path / "a.gguf", "llama", factors, 2.0)
+    with pytest.raises(ProbeMismatch) as ei:
+        probe(tiny_model, changed, threads=THREADS, check=with_a)
+    moved = set(ei.value.rows)
+    assert "adapter" in moved and "restored" in moved
+    assert not moved & {"base", "zero", "dropped"}  # the base did not move: those stay exact
+    assert "adapter (adapter θ as loaded): loss" in str(ei.value)
+
+
+def test_reference_for_another_model_is_refused(tiny_dir: Path, ref_file: Path, tmp_path: Path):
+    other = write_tiny_model(tmp_path / "tiny.gguf", seed=1)  # same shapes, other weights → other sha256
+    with pytest.raises(ProbeMismatch) as ei:
+        probe(other, threads=THREADS, check=ref_file)
+    assert ei.value.rows == {}
+    assert any(f.startswith("build.model_sha256") for f in ei.value.foreign)
+    assert "different build" in str(ei.value) and "--write" in str(ei.value)
+
+
+def test_reference_from_a_foreign_build_is_refused(ref: ProbeResult, tiny_model: Path, tmp_path: Path):
+    d = json.loads(ref.to_json())
+    d["build"]["binding_version"] = "0.3.20"
+    d["build"]["system_info"] = d["build"]["system_info"].replace("AVX2 = 1", "AVX2 = 0")
+    d["build"]["threads"] = 16
+    path = tmp_path / "foreign.json"
+    path.write_text(json.dumps(d))
+    run = probe(tiny_model, threads=THREADS)
+    with pytest.raises(ProbeMismatch) as ei:
+        run.check(path)
+    text = str(ei.value)
+    assert "build.binding_version: reference '0.3.20'" in text
+    assert "build.threads: reference 16, this run 2" in text
+    assert "build.system_info" in text and "compares only within one build" in text
+
+
+def test_probe_on_a_busy_engine_leaves_it_as_it_was(engine, tiny_dir: Path, ref: ProbeResult):
+    engine.set_lora(tiny_dir / "a.gguf", scale=0.7)
+    before = engine.logits("the cat sat")
+    r = probe(engine)  # the engine's default set must not leak into the rows
+    assert _stable(r)["rows"] == _stable(ref)["rows"]
+    assert engine.active == {"a": 0.7} and set(engine.adapters) == {"a"}
+    assert np.array_equal(engine.logits("the cat sat"), before)
+
+
+def test_zero_adapter_probe(tiny_model: Path, tiny_dir: Path):
+    r = probe(tiny_model, tiny_dir / "zero.gguf", threads=THREADS)
+    assert r.adapter["all_zero"] and r.violations == []
+    assert r.rows["adapter"].per_prompt == r.rows["base"].per_prompt
+
+
+# ------------------------------------------------------------------------------------------ drift
+def test_golden_prompts(tmp_path: Path):
+    assert len(golden_prompts()) == 8
+    assert files("loramux").joinpath("data/golden_prompts.txt").is_file()  # shipped as package data
+    f = tmp_path / "p.txt"
+    f.write_text("# comment\nfirst\n\nsecond\\nline\n")
+    assert golden_prompts(f) == ["first", "second\nline"]
+
+
+def test_drift_of_zero_adapter_is_exactly_zero(engine, tiny_dir: Path):
+    r = drift(engine, tiny_dir / "zero.gguf", prompts=["the cat sat on the mat", "hello world"], max_tokens=6)
+    assert [i.kl for i in r.items] == [0.0, 0.0] and r.mean_kl == 0.0
+    assert r.mean_top1_agreement == 1.0
+    assert all(i.base_text == i.adapter_text for i in r.items)
+    assert "loramux-drift" not in engine.adapters
+
+
+def test_drift_grows_with_scale(engine, tiny_dir: Path):
+    prompts = ["the cat sat on the mat and the dog ran", "hello world, it was a big red dog"]
+    kls = [drift(engine, tiny_dir / "a.gguf", scale=s, prompts=prompts, max_tokens=4).mean_kl
+           for s in (0.25, 0.5, 1.0)]
+    assert 0.0 < kls[0] < kls[1] < kls[2], kls
+
+
+def test_drift_report_renders(engine, tiny_dir: Path):
+    engine.set_lora(tiny_dir / "b.gguf", scale=0.5)
+    r = drift(engine, "b", scale=1.0, max_tokens=8)  # an adapter already loaded, by name
+    assert len(r.items) == 8 and 0.0 <= r.mean_top1_agreement <= 1.0 and r.mean_kl > 0
+    text = r.table()
+    assert "mean KL(base ‖ adapter)" in text and "base (greedy)" in text
+    assert json.loads(r.to_json())["prompts"][0]["prompt"] == golden_prompts()[0]
+    assert engine.active == {"b": 0.5}
+
+
+# ------------------------------------------------------------------------------------------ CLI
+def test_cli_probe_write_check_and_exit_codes(tiny_model: Path, tiny_dir: Path, tmp_path: Path, capsys):
+    ref = tmp_path / "ref.json"
+    t = ["--threads", str(THREADS)]
+    assert main(["probe", str(tiny_model), *t, "--write", str(ref)]) == 0
+    assert ProbeResult.load(ref).rows["base"].tokens == 4 * (N_TOKENS - 1)
+    assert main(["probe", str(tiny_model), *t, "--check", str(ref)]) == 0
+    assert "0 (exact)" in capsys.readouterr().out
+    # another adapter: the adapter rows move → exit 1, naming them
+    assert main(["probe", str(tiny_model), *t, "--lora", str(tiny_dir / "a.gguf"), "--check", str(ref)]) == 1
+    err = capsys.readouterr().err
+    assert "adapter (adapter θ as loaded)" in err and "base (" not in err
+    # another build → refused, exit 2
+    d = json.loads(ref.read_text())
+    d["build"]["binding_version"] = "9.9.9"
+    foreign = tmp_path / "foreign.json"
+    foreign.write_text(json.dumps(d))
+    assert main(["probe", str(tiny_model), *t, "--check", str(foreign)]) == 2
+    assert "different build" in capsys.readouterr().err
+    assert main(["probe", str(tiny_model), *t, "--check", str(tmp_path / "missing.json")]) == 2
+    assert main(["probe", str(tiny_model), *t, "--lora", str(tiny_dir / "a.gguf") + ":0.5"]) == 2
+    assert "scale 1.0" in capsys.readouterr().err
+    assert main(["probe", str(tiny_model), *t, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["format"] == "loramux-probe/1"
+    assert main(["probe", str(tiny_model), *t, "--markdown"]) == 0
+    assert "| `zero` |" in capsys.readouterr().out
+
+
+def test_cli_drift(tiny_model: Path, tiny_dir: Path, capsys):
+    args = ["drift", str(tiny_model), "--threads", str(THREADS), "--lora", str(tiny_dir / "a.gguf"),
+            "--max-tokens", "4", "--json"]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["prompts"]) == 8 and out["mean_kl"] > 0 and out["scale"] == 1.0
+    assert main(["drift", str(tiny_model), "--max-tokens", "2"]) == 2  # no --lora
+    assert "--lora" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------ Gemma
+@pytest.mark.gemma
+def test_default_model_matches_committed_reference(gemma_path: Path):
+    reference = Path(str(files("loramux").joinpath("data/probe_reference.json")))
+    assert reference.is_file(), "src/loramux/data/probe_reference.json is missing"
+    result = probe(gemma_path, threads=THREADS)
+    try:
+        result.check(reference)
+    except ProbeMismatch as e:
+        pytest.fail(f"probe on the default model vs the committed reference:\n{e}\n\n{result.table(ProbeResult.load(reference))}")
+    assert result.violations == []
