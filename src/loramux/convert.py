@@ -153,16 +153,10 @@ def progress_iter(items: Iterable[Any], *, total: int | None = None, desc: str =
     yield from tqdm(items, total=total, desc=desc, unit="tensor", leave=False)
 
 
-def _gguf_arch_enum(arch: str) -> Any:
-    import gguf
-
-    return getattr(gguf.MODEL_ARCH, _ARCHS[arch].enum)
-
-
 def _tensor_map(arch: str, n_blocks: int) -> Any:
     import gguf
 
-    return gguf.get_tensor_name_map(_gguf_arch_enum(arch), n_blocks)
+    return gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, _ARCHS[arch].enum), n_blocks)
 
 
 def _read_base(base: str | os.PathLike[str], problems: list[str]) -> GGUFHeader | None:
@@ -416,30 +410,23 @@ def _convert_factors(weights: Path, cfg: Mapping[str, Any], index: Mapping[str, 
     effective: dict[str, float] = {}
     scaling: dict[str, float] = {}
     for module, ab in progress_iter(pairs.items(), total=len(pairs), desc="convert", enabled=progress):
-        target = next((t + ".weight" for c in _hf_candidates(module) if (t := tmap.get_name(c))), None)
-        if target is None:
-            rep.problems.append(f"{module}: no {h.architecture} GGUF tensor corresponds to this module")
-            continue
-        if target == "token_embd.weight":
-            rep.problems.append(f"{module}: LoRA on the token embedding is not converted")
-            continue
-        if target not in h.tensors:
-            rep.problems.append(f"{module} → {target}, which the base model does not have "
-                                "(tied embeddings? another model?)")
+        target = _target_for(module, tmap, h, rep.problems)
+        if target is None or target in raw:
+            if target is not None:
+                rep.problems.append(f"{module} and {rep.hf_modules[target]} both map to {target}")
             continue
         a = _st_read(weights, index[ab["A"]], data_start)
         b = _st_read(weights, index[ab["B"]], data_start)
         a, b, err = _orient(module, a, b, h.tensors[target].shape, bool(cfg.get("fan_in_fan_out")))
+        r = a.shape[0]
+        r_cfg = int(_pattern_value(cfg.get("rank_pattern") or {}, module, cfg.get("r", r)))
+        if r_cfg != r and not err:
+            err = f"{module}: the config says rank {r_cfg} but the factors have rank {r}"
         if err:
             rep.problems.append(err)
             continue
-        r = a.shape[0]
-        r_cfg = int(_pattern_value(cfg.get("rank_pattern") or {}, module, cfg.get("r", r)))
         alpha = float(_pattern_value(cfg.get("alpha_pattern") or {}, module, cfg.get("lora_alpha", r_cfg)))
-        if r_cfg != r:
-            rep.problems.append(f"{module}: the config says rank {r_cfg} but the factors have rank {r}")
-            continue
-        # PEFT scales B·A by alpha/r (alpha/sqrt(r) with rsLoRA); alpha_eff = scaling·r exactly.
+        # PEFT scales B·A by alpha/r (alpha/sqrt(r) with rsLoRA); alpha_eff = scaling·r, kept exact.
         effective[target] = alpha * math.sqrt(r) if rep.use_rslora else alpha
         scaling[target] = alpha / math.sqrt(r) if rep.use_rslora else alpha / r
         if arch.permute_qk and target.split(".")[-2] in ("attn_q", "attn_k"):
@@ -461,6 +448,21 @@ def _convert_factors(weights: Path, cfg: Mapping[str, Any], index: Mapping[str, 
         out[target] = (a, b)
     rep.ranks = {t: rep.ranks[t] for t in out}
     return out
+
+
+def _target_for(module: str, tmap: Any, h: GGUFHeader, problems: list[str]) -> str | None:
+    """The base tensor a HF module's LoRA applies to, or None (with the reason in `problems`)."""
+    target = next((t + ".weight" for c in _hf_candidates(module) if (t := tmap.get_name(c))), None)
+    if target is None:
+        problems.append(f"{module}: no {h.architecture} GGUF tensor corresponds to this module")
+    elif target == "token_embd.weight":
+        problems.append(f"{module}: LoRA on the token embedding is not converted")
+    elif target not in h.tensors:
+        problems.append(f"{module} → {target}, which the base model does not have (tied embeddings? "
+                        "another model?)")
+    else:
+        return target
+    return None
 
 
 def _fold_factor(alpha_eff: float, scaling: float, alpha_global: float, rank: int) -> float:

@@ -174,9 +174,9 @@ def _write_gguf(dst: Path, version: int, kvs: Sequence[bytes], tensors: Sequence
         f.write(b"\0" * (-f.tell() % align))
         for t in progress_iter(tensors, total=len(tensors), desc="write", enabled=progress):
             data = np.ascontiguousarray(t.data())
-            if data.nbytes != t.nbytes:  # a bug here would silently corrupt the model
-                raise ConversionError(str(dst), f"internal error: {t.name} has {data.nbytes} bytes, "
-                                      f"expected {t.nbytes}")
+            if data.nbytes != t.nbytes:  # never write a silently corrupt model
+                raise ConversionError(str(dst), f"{t.name} has {data.nbytes} bytes, expected {t.nbytes}",
+                                      hint="is the base model file truncated?")
             f.write(data.tobytes())
             f.write(b"\0" * (-t.nbytes % align))
 
@@ -300,7 +300,8 @@ def dequantize_tensor(h: GGUFHeader, info: TensorInfo, mm: np.ndarray) -> np.nda
     raw = mm[start:start + _nbytes(info.ggml_type, info.n_elements)]
     rows = max(1, info.n_elements // info.shape[-1]) if info.shape else 1
     qt = gguf.GGMLQuantizationType(info.ggml_type)
-    return np.asarray(gguf.quants.dequantize(raw.reshape(rows, -1), qt), dtype=np.float32).reshape(info.shape)
+    # copy: F32 "dequantization" is a read-only view of the memmap, and callers add deltas in place
+    return np.array(gguf.quants.dequantize(raw.reshape(rows, -1), qt), dtype=np.float32).reshape(info.shape)
 
 
 def _produce(plan: _Plan, dst: Path, dtype: str, progress: bool | None, nthread: int) -> None:
