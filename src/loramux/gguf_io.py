@@ -373,6 +373,10 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
     os.close(fd)
     try:
         yield Path(tmp)
+        # mkstemp creates 0600 files; give the result the mode any new file would get (umask).
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)
         os.replace(tmp, dest)
     finally:
         if os.path.exists(tmp):

@@ -94,7 +94,7 @@ class Engine:
                                          n_seq_max=1, n_threads=n_threads, flash_attn=flash_attn)
         self.n_ctx = n_ctx
         self.ctx = Context(model, self._ctx_opts, callback=self.bank.callback if self.bank else None)
-        self.scheduler = Scheduler(model, self.ctx, n_parallel, self.bank)
+        self.scheduler = Scheduler(model, self.ctx, n_parallel, self.bank, deterministic)
         self._eval_ctx: Context | None = None
         self.control: Any = None  # default control-vector setting (see control.py)
         self._retired: list[LoRAAdapter] = []
@@ -157,6 +157,19 @@ class Engine:
             else:
                 self._wake.wait(0.5)
                 self._wake.clear()
+        # commands queued after close() began are answered, never left hanging
+        while True:
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                item[1].set_exception(EngineClosedError("the engine was closed"))
+
+    @property
+    def closed(self) -> bool:
+        """True once close() began or the engine thread is gone."""
+        return self._closed or not self._thread.is_alive()
 
     def _run_commands(self) -> None:
         while True:
@@ -279,11 +292,11 @@ class Engine:
 
     # ------------------------------------------------------------------ control vectors
     def set_control_vector(self, cv: Any, strength: float = 1.0, layers: tuple[int, int] | None = None) -> None:
-        """Apply a control vector (or a path to one) to every request that does not choose its own."""
-        from .control import ControlSetting, ControlVector
+        """Apply control vector(s) to every request that does not choose its own: a ControlVector or path,
+        a list of them or of (vector|path, strength) pairs (summed), or a ControlSetting."""
+        from .control import ControlSetting
 
-        vec = ControlVector.load(cv) if not isinstance(cv, ControlVector) else cv
-        setting = ControlSetting.build(self.model, [(vec, strength)], layers)
+        setting = ControlSetting.from_any(self.model, cv, strength, layers)
         self.call(lambda: setattr(self, "control", setting))
 
     def clear_control_vector(self) -> None:

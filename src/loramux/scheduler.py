@@ -17,8 +17,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from . import _native as N
 from .bank import SlotBank, plan_ubatches, token_scales
 from .errors import BackendError, LoramuxError
@@ -94,10 +92,15 @@ class Request:
 class Scheduler:
     """Owns the serving context. Only the engine thread calls into it."""
 
-    def __init__(self, model: Model, ctx: Context, n_parallel: int, bank: SlotBank | None = None) -> None:
+    def __init__(self, model: Model, ctx: Context, n_parallel: int, bank: SlotBank | None = None,
+                 deterministic: bool = False) -> None:
         self.model = model
         self.ctx = ctx
         self.bank = bank
+        # Deterministic mode never mixes a prompt chunk with other sequences' tokens: llama.cpp would
+        # re-split it per sequence, and a 1-token piece takes another attention kernel than solo.
+        self.deterministic = deterministic
+        self._prefill_turn = False
         self.n_parallel = n_parallel
         self.waiting: list[Request] = []
         self.slots: list[Request | None] = [None] * n_parallel
@@ -214,7 +217,8 @@ class Scheduler:
 
     def _reusable(self, seq: int, r: Request) -> int:
         key, toks = self.slot_cache[seq]
-        if key != r.cache_key:
+        if key != r.cache_key or self.deterministic:
+            # deterministic: a reused prefix leaves a short tail computed with other kernels than solo
             return 0
         n = 0
         for a, b in zip(toks, r.prompt[:-1]):  # always recompute the last prompt token for its logits
@@ -243,6 +247,8 @@ class Scheduler:
         b.clear()
         plan: list[tuple[Request, int | None]] = []
         entries: list[tuple[int, list[tuple[int, float]]]] = []
+        if self.deterministic:
+            members = self._deterministic_members(members)
         # decode tokens first (one each, cheap), then prompt chunks with what is left of n_batch
         for r in members:
             if r.pending is not None:
@@ -262,6 +268,14 @@ class Scheduler:
             plan.append((r, b.n - 1 if last else None))
             r.n_past = end
         return plan, entries
+
+    def _deterministic_members(self, members: list[Request]) -> list[Request]:
+        """Either every pending decode token, or one request's prompt chunk (alternating when both wait)."""
+        decoders = [r for r in members if r.pending is not None]
+        prefill = [r for r in members if r.pending is None and r.n_past < len(r.prompt)]
+        use_prefill = bool(prefill) and (not decoders or self._prefill_turn)
+        self._prefill_turn = not self._prefill_turn
+        return prefill[:1] if use_prefill else decoders
 
     def _apply(self, phase: Phase) -> None:
         adapters = [] if phase.banked else list(phase.adapters.items)

@@ -1,0 +1,340 @@
+"""The OpenAI-compatible multi-adapter server: one base model, any number of adapters, each request
+choosing its own adapter set, adapters loaded and unloaded while traffic flows.
+
+    from loramux.server import create_app, ServerSettings, serve_in_thread
+    app = create_app(engine, ServerSettings(adapter_dirs=("/adapters",)))
+    with serve_in_thread(app) as srv:        # uvicorn on 127.0.0.1, a free port
+        print(srv.url)                       # http://127.0.0.1:PORT  (OpenAI base_url: srv.url + "/v1")
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import socket
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, HTTPException
+from fastapi import Request as HTTPRequest
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from ..errors import ParameterError
+from . import generation
+from .config import ServerSettings
+from .errors import APIError, from_exception, install_handlers
+from .metrics import CONTENT_TYPE, Metrics
+from .pool import AdapterPool
+from .schemas import (
+    AdapterScale,
+    ChatRequest,
+    CompletionRequest,
+    ControlRef,
+    LoadAdapterRequest,
+    UnloadAdapterRequest,
+)
+
+log = logging.getLogger("loramux.server")
+UNKNOWN = "_unknown_"  # metrics label for model names that are not served (keeps label sets bounded)
+CONTROL_CACHE = 64
+
+
+class ServerState:
+    """What the routes share: engine, settings, adapter table, control vectors, metrics."""
+
+    def __init__(self, engine: Any, settings: ServerSettings, base_name: str) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.base_name = base_name
+        self.started = int(time.time())
+        self.pool = AdapterPool(engine, settings, base_name)
+        self.metrics = Metrics(self.snapshot)
+        self.controls = _load_controls(settings)
+        self._control_cache: OrderedDict[tuple[str, float], Any] = OrderedDict()
+
+    # -- metrics ------------------------------------------------------------------------------
+    def snapshot(self) -> dict[str, Any]:
+        s = self.engine.scheduler.snapshot()
+        resident = [e.name for e in self.pool.resident()]
+        waiting = set(s["waiting_adapters"]) - set(resident)
+        s.update(resident=resident, known=len(self.pool.entries), waiting_not_resident=sorted(waiting),
+                 max_lora=self.settings.max_loaded or max(1, len(resident)), evictions=self.pool.evictions,
+                 loads=dict(self.pool.loads))
+        return s
+
+    def label(self, model: str | None) -> str:
+        if model is None or model == self.base_name:
+            return self.base_name
+        return model if model in self.pool.entries else UNKNOWN
+
+    def record(self, job: generation.Job, status: int, completion: Any = None) -> None:
+        m, label = self.metrics, self.label(job.model)
+        m.requests.labels(label, str(status)).inc()
+        m.e2e.labels(label).observe(time.monotonic() - job.started)
+        first = getattr(job.request, "first_token_at", None)
+        if first is not None:
+            m.ttft.labels(label).observe(max(0.0, first - job.started))
+        if completion is not None:
+            m.prompt_tokens.labels(label).inc(len(job.prompt))
+            m.generation_tokens.labels(label).inc(len(completion.tokens))
+
+    # -- control vectors ----------------------------------------------------------------------
+    async def control_setting(self, ref: ControlRef | None) -> Any:
+        """The engine's control setting for a request: "default" (engine's own) unless it names one."""
+        if ref is None:
+            return None
+        if ref.name not in self.controls:
+            known = ", ".join(sorted(self.controls)) or "none loaded (start the server with --control-vector)"
+            raise APIError(404, f"no control vector named {ref.name!r} (loaded: {known})",
+                           code="control_vector_not_found", param="control_vector")
+        key = (ref.name, float(ref.strength))
+        if key not in self._control_cache:
+            from ..control import ControlSetting
+
+            vec, layers = self.controls[ref.name]
+            setting = await asyncio.to_thread(ControlSetting.build, self.engine.model, [(vec, ref.strength)], layers)
+            self._control_cache[key] = setting
+            while len(self._control_cache) > CONTROL_CACHE:
+                self._control_cache.popitem(last=False)
+        self._control_cache.move_to_end(key)
+        return self._control_cache[key]
+
+    def healthy(self) -> bool:
+        return not self.engine.closed
+
+
+def _load_controls(settings: ServerSettings) -> dict[str, tuple[Any, Any]]:
+    if not settings.control_vectors:
+        return {}
+    try:
+        from ..control import ControlVector, parse_layers
+    except ImportError as e:
+        raise ParameterError("--control-vector", "control vectors are not available in this build "
+                                                 f"({e}); start without --control-vector") from e
+    out = {}
+    for c in settings.control_vectors:
+        out[c.name] = (ControlVector.load(c.path), parse_layers(c.layers or settings.control_vector_layers))
+    return out
+
+
+class Guard:
+    """ASGI middleware: API key on every endpoint but the public ones (/health; /metrics if asked), and a
+    bound on the request body size."""
+
+    def __init__(self, app: Any, api_key: str | None, max_body: int, public: tuple[str, ...] = ("/health",)) -> None:
+        self.app = app
+        self.key = api_key.encode() if api_key else None
+        self.max_body = max_body
+        self.public = public
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        if self.key is not None and scope.get("path") not in self.public:
+            auth = headers.get(b"authorization", b"")
+            token = auth[7:].strip() if auth[:7].lower() == b"bearer " else b""
+            if not hmac.compare_digest(token, self.key):
+                err = APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                               code="invalid_api_key")
+                await err.response()(scope, receive, send)
+                return
+        try:
+            declared = int(headers.get(b"content-length", b"0") or 0)
+        except ValueError:
+            declared = 0
+        if declared > self.max_body:
+            await self._too_large().response()(scope, receive, send)
+            return
+        seen = 0
+
+        async def limited() -> dict[str, Any]:
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > self.max_body:  # chunked bodies carry no content-length
+                    raise HTTPException(413, self._too_large().message)
+            return msg
+        await self.app(scope, limited, send)
+
+    def _too_large(self) -> APIError:
+        return APIError(413, f"request body larger than {self.max_body} bytes", code="request_too_large")
+
+
+def create_app(engine: Any, settings: ServerSettings | None = None, *, own_engine: bool = False) -> FastAPI:
+    """The FastAPI app serving `engine`. With own_engine, the engine is closed when the app shuts down."""
+    settings = (settings or ServerSettings()).validated()
+    state = ServerState(engine, settings, _base_name(engine, settings))
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        if own_engine:
+            await asyncio.to_thread(engine.close)
+            log.info("loramux: engine closed")
+
+    app = FastAPI(title="loramux", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.lm = state
+    install_handlers(app)
+    public = ("/health", "/metrics") if settings.public_metrics else ("/health",)
+    app.add_middleware(Guard, api_key=settings.api_key, max_body=settings.max_body_bytes, public=public)
+    _routes(app, state)
+    return app
+
+
+def _base_name(engine: Any, settings: ServerSettings) -> str:
+    """--served-model-name, else the model file's name without .gguf."""
+    if settings.served_model_name:
+        return settings.served_model_name
+    name = engine.model.path.name
+    return name[:-5] if name.endswith(".gguf") else name
+
+
+def _routes(app: FastAPI, state: ServerState) -> None:
+    pool = state.pool
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        ok = state.healthy()
+        return JSONResponse({"status": "ok" if ok else "error"}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        n_ctx = state.engine.n_ctx
+        data = [{"id": state.base_name, "object": "model", "created": state.started, "owned_by": "loramux",
+                 "root": str(state.engine.model.path), "parent": None, "max_model_len": n_ctx}]
+        for e in pool.ordered():
+            data.append({"id": e.name, "object": "model", "created": e.created, "owned_by": "loramux",
+                         "root": e.source, "parent": state.base_name, "max_model_len": n_ctx,
+                         "lora_id": e.id, "scale": e.scale, "resident": e.resident, "pinned": e.pinned})
+        return {"object": "list", "data": data}
+
+    _generation_routes(app, state)
+    _adapter_routes(app, state)
+
+
+def _generation_routes(app: FastAPI, state: ServerState) -> None:
+    async def generate(http: HTTPRequest, body: CompletionRequest | ChatRequest, chat: bool) -> Response:
+        try:
+            job = await generation.start(state, body, chat)
+        except asyncio.CancelledError:
+            state.metrics.requests.labels(state.label(body.model), "499").inc()
+            raise
+        except Exception as e:
+            state.metrics.requests.labels(state.label(body.model), str(from_exception(e).status)).inc()
+            raise
+        if body.stream:
+            return _JobStream(job)
+        result = await generation.collect(job, http)
+        return JSONResponse(result) if result is not None else Response(status_code=499)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, http: HTTPRequest) -> Response:
+        return await generate(http, body, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, http: HTTPRequest) -> Response:
+        return await generate(http, body, chat=True)
+
+
+def _adapter_routes(app: FastAPI, state: ServerState) -> None:
+    pool = state.pool
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_adapter(body: LoadAdapterRequest) -> dict[str, Any]:
+        e = await pool.load(body.lora_name, body.lora_path, scale=body.scale, replace=body.replace,
+                            pinned=body.pinned)
+        return {"message": f"Success: LoRA adapter '{e.name}' added successfully.", "id": e.id, "name": e.name}
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_adapter(body: UnloadAdapterRequest) -> dict[str, Any]:
+        e = await pool.unload(body.lora_name)
+        return {"message": f"Success: LoRA adapter '{e.name}' removed successfully.", "id": e.id, "name": e.name}
+
+    @app.get("/lora-adapters")
+    async def list_adapters() -> list[dict[str, Any]]:
+        return [{"id": e.id, "name": e.name, "path": e.path, "scale": e.global_scale, "default_scale": e.scale,
+                 "resident": e.resident, "pinned": e.pinned} for e in pool.ordered()]
+
+    @app.post("/lora-adapters")
+    async def set_adapters(body: list[AdapterScale]) -> dict[str, Any]:
+        pool.set_global_scales([(x.id, x.scale) for x in body])
+        return {"success": True}
+
+
+class _JobStream(StreamingResponse):
+    """SSE response that always settles its job: a client can leave before the body generator ever
+    starts (its `finally` would then never run), and the request must still be cancelled."""
+
+    def __init__(self, job: generation.Job) -> None:
+        super().__init__(generation.stream(job), media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.job = job
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.job.finish(499)  # no-op if the stream finished it
+
+
+class ServerThread:
+    """uvicorn serving an app from a background thread (tests, notebooks, benchmarks).
+
+    The socket is bound before the thread starts, so `port` is known at once (port 0 = a free one).
+    """
+
+    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
+                 graceful_shutdown_s: float = 5.0) -> None:
+        self.host = host
+        self.sock = socket.create_server((host, port))
+        self.port = int(self.sock.getsockname()[1])
+        config = uvicorn.Config(app, log_level=log_level, lifespan="on",
+                                timeout_graceful_shutdown=graceful_shutdown_s)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       name=f"loramux-server-{self.port}", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the server on port {self.port} did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout)
+        self.sock.close()
+
+    def __enter__(self) -> ServerThread:
+        return self if self.thread.is_alive() else self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def serve_in_thread(app: Any, host: str = "127.0.0.1", port: int = 0, **kwargs: Any) -> ServerThread:
+    """Start uvicorn for `app` in a daemon thread and return once it accepts connections."""
+    return ServerThread(app, host, port, **kwargs).start()
+
+
+__all__ = ["Guard", "ServerState", "ServerThread", "create_app", "serve_in_thread"]

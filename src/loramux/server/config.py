@@ -1,0 +1,197 @@
+"""Server settings, from the command line and/or one `deploy.toml`, so a deployment is one file.
+
+    # deploy.toml
+    model = "/models/base.gguf"          # omit for the embedded Gemma 3 270M
+    served_model_name = "base"
+    host = "0.0.0.0"
+    port = 8080
+    parallel = 8
+    slots = 8                            # slot bank: requests on 8 different adapters share each decode
+    n_ctx = 4096                         # tokens per sequence
+    api_key_env = "LORAMUX_API_KEY"      # read the key from this variable (or api_key = "...")
+    adapter_dirs = ["/adapters"]         # runtime loads by path only from here
+    allow_remote_adapters = false
+    max_loaded = 16
+
+    [[lora]]
+    name = "pirate"
+    source = "/adapters/pirate.gguf"     # path, https:// URL or hf://owner/repo/file.gguf
+    scale = 1.0                          # scale used when a request names this adapter
+    apply = 0.0                          # scale in the global set that base-model requests get
+
+    [[control_vector]]
+    name = "happy"
+    path = "/vectors/happy.gguf"
+
+Command-line options override the file.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from ..errors import ParameterError
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-:@+/]{0,127}$")
+NAME_RULE = "1-128 characters: letters, digits and . _ - : @ + /, starting with a letter or digit"
+
+
+@dataclass(frozen=True)
+class LoraEntry:
+    """An adapter to load at start: pinned (never evicted by --max-loaded)."""
+
+    name: str
+    source: str
+    scale: float = 1.0
+    apply: float = 0.0
+
+
+@dataclass(frozen=True)
+class ControlEntry:
+    """A control vector loaded at start, chosen per request by name."""
+
+    name: str
+    path: str
+    layers: str | None = None  # "A-B", 1-based inclusive
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """Everything `loramux serve` needs. Build with `from_toml` and/or keyword arguments."""
+
+    model: str | None = None
+    served_model_name: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8080
+    parallel: int = 1
+    n_ctx: int = 4096
+    n_batch: int = 512
+    threads: int | None = None
+    gpu_layers: int = 0
+    slots: int = 0  # slot bank: K adapters share every decode (0 = rotate adapter-set groups)
+    slot_rank: int = 16
+    deterministic: bool = False  # batch-invariant kernels: outputs do not depend on the batch
+    api_key: str | None = field(default=None, repr=False)
+    public_metrics: bool = False  # /metrics without the API key (for scrapers such as the GIE endpoint picker)
+    adapter_dirs: tuple[str, ...] = ()
+    allow_remote_adapters: bool = False
+    max_loaded: int | None = None
+    max_body_bytes: int = 1 << 20
+    loras: tuple[LoraEntry, ...] = ()
+    control_vectors: tuple[ControlEntry, ...] = ()
+    control_vector_layers: str | None = None
+    graceful_shutdown_s: float = 30.0
+
+    # ------------------------------------------------------------------ building
+    @classmethod
+    def from_toml(cls, path: str | os.PathLike[str]) -> ServerSettings:
+        """Read a deploy.toml; every problem in it is reported at once."""
+        p = Path(path).expanduser()
+        try:
+            data = tomllib.loads(p.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise ParameterError("--config", f"{p}: no such file") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ParameterError("--config", f"{p}: not valid TOML: {e}") from None
+        return cls.from_dict(data, origin=str(p))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], origin: str = "settings") -> ServerSettings:
+        data = dict(data)
+        problems: list[str] = []
+        key_env = data.pop("api_key_env", None)
+        if key_env is not None and "api_key" not in data:
+            data["api_key"] = os.environ.get(str(key_env)) or None
+            if data["api_key"] is None:
+                problems.append(f"api_key_env: the variable {key_env} is not set or empty")
+        loras = tuple(_entries(data.pop("lora", []), LoraEntry, "lora", problems))
+        cvs = tuple(_entries(data.pop("control_vector", []), ControlEntry, "control_vector", problems))
+        known = {f.name for f in fields(cls)} - {"loras", "control_vectors"}
+        for k in sorted(set(data) - known):
+            problems.append(f"unknown key {k!r} (known: {', '.join(sorted(known | {'lora', 'control_vector'}))})")
+        kwargs = {k: v for k, v in data.items() if k in known}
+        if "adapter_dirs" in kwargs:
+            kwargs["adapter_dirs"] = tuple(str(d) for d in kwargs["adapter_dirs"])
+        if problems:
+            raise ParameterError(origin, "invalid server settings:\n  - " + "\n  - ".join(problems))
+        return cls(loras=loras, control_vectors=cvs, **kwargs).validated()
+
+    def override(self, **values: Any) -> ServerSettings:
+        """A copy with the given values replaced; None values are ignored (option not given)."""
+        return replace(self, **{k: v for k, v in values.items() if v is not None}).validated()
+
+    def validated(self) -> ServerSettings:
+        problems = []
+        if not 0 <= self.port <= 65535:
+            problems.append(f"port: {self.port} is not a TCP port")
+        for name in ("parallel", "n_ctx", "n_batch", "max_body_bytes"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                problems.append(f"{name}: must be a positive integer, got {getattr(self, name)!r}")
+        if self.slots < 0 or self.slot_rank < 1:
+            problems.append(f"slots/slot_rank: need slots ≥ 0 and slot_rank ≥ 1, got {self.slots}/{self.slot_rank}")
+        if self.max_loaded is not None and self.max_loaded < 1:
+            problems.append(f"max_loaded: must be ≥ 1, got {self.max_loaded}")
+        if self.threads is not None and self.threads < 1:
+            problems.append(f"threads: must be ≥ 1, got {self.threads}")
+        if self.api_key is not None and not self.api_key.strip():
+            problems.append("api_key: must not be empty")
+        for d in self.adapter_dirs:
+            if not Path(d).expanduser().is_dir():
+                problems.append(f"adapter_dirs: {d} is not a directory")
+        names = [e.name for e in self.loras] + ([self.served_model_name] if self.served_model_name else [])
+        for e in self.loras:
+            if not NAME_RE.match(e.name):
+                problems.append(f"lora {e.name!r}: adapter names must be {NAME_RULE}")
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            problems.append(f"names used twice: {', '.join(dupes)}")
+        if self.max_loaded is not None and len(self.loras) > self.max_loaded:
+            problems.append(f"max_loaded={self.max_loaded} but {len(self.loras)} adapters are pinned at start")
+        if problems:
+            raise ParameterError("settings", "invalid server settings:\n  - " + "\n  - ".join(problems))
+        return self
+
+    # ------------------------------------------------------------------ engine
+    def build_engine(self) -> Any:
+        """Load the base model and the start adapters (loaded, not in the global set unless `apply`)."""
+        from ..runtime import Engine
+
+        eng = Engine.load(self.model, n_ctx=self.n_ctx, n_parallel=self.parallel, n_batch=self.n_batch,
+                          n_threads=self.threads, n_gpu_layers=self.gpu_layers, slots=self.slots,
+                          slot_rank=self.slot_rank, deterministic=self.deterministic)
+        try:
+            for e in self.loras:
+                eng.load_lora(e.source, e.name)
+        except BaseException:
+            eng.close()
+            raise
+        return eng
+
+
+def _entries(raw: Any, cls: type, key: str, problems: list[str]) -> list[Any]:
+    if not isinstance(raw, list):
+        problems.append(f"{key}: expected an array of tables ([[{key}]])")
+        return []
+    out = []
+    allowed = {f.name for f in fields(cls)}
+    for i, item in enumerate(raw):
+        if not isinstance(item, dict):
+            problems.append(f"{key}[{i}]: expected a table")
+            continue
+        extra = set(item) - allowed
+        if extra:
+            problems.append(f"{key}[{i}]: unknown keys {sorted(extra)} (allowed: {sorted(allowed)})")
+            continue
+        try:
+            out.append(cls(**item))
+        except TypeError as e:
+            problems.append(f"{key}[{i}]: {e}")
+    return out
+
+
+__all__ = ["ControlEntry", "LoraEntry", "ServerSettings", "NAME_RE"]

@@ -1,0 +1,133 @@
+"""OpenAI-shaped errors: every failure the server returns is `{"error": {message, type, param, code}}`.
+
+`APIError` is raised by the server's own checks; `from_exception` maps loramux's typed errors (and
+anything else) to a status and body, so no request ever gets a bare 500 page or a stack trace.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..errors import (
+    AdapterError,
+    AdapterNotFoundError,
+    ContextLengthError,
+    ControlVectorError,
+    DownloadError,
+    EngineClosedError,
+    LoramuxError,
+    ParameterError,
+    ScaleError,
+    SourceError,
+)
+
+log = logging.getLogger("loramux.server")
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "not_found_error", 405: "invalid_request_error", 409: "invalid_request_error",
+          413: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
+          502: "server_error", 503: "server_error"}
+
+
+class APIError(Exception):
+    """An error with an HTTP status and OpenAI's error fields."""
+
+    def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None,
+                 type: str | None = None) -> None:  # noqa: A002 - OpenAI's field name
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+        self.type = type or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def model_not_found(name: str, known: list[str]) -> APIError:
+    listed = ", ".join(known[:20]) + (" …" if len(known) > 20 else "")
+    return APIError(404, f"The model {name!r} does not exist. Served models: {listed}. "
+                         "GET /v1/models lists them; load an adapter with POST /v1/load_lora_adapter.",
+                    code="model_not_found", param="model")
+
+
+def from_exception(exc: BaseException) -> APIError:
+    """Map any exception to an APIError (typed loramux errors keep their code and parameter)."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, AdapterNotFoundError):
+        return APIError(404, str(exc), code="adapter_not_found", param="lora")
+    if isinstance(exc, ContextLengthError):
+        return APIError(400, str(exc), code="context_length_exceeded", param="messages")
+    if isinstance(exc, ParameterError):
+        return APIError(400, str(exc), code="invalid_parameter", param=exc.parameter)
+    if isinstance(exc, ScaleError):
+        return APIError(400, str(exc), code="invalid_scale", param="lora")
+    if isinstance(exc, DownloadError):
+        return APIError(502, str(exc), code=exc.code, param="lora_path")
+    if isinstance(exc, (AdapterError, SourceError)):
+        return APIError(400, str(exc), code=exc.code, param="lora_path")
+    if isinstance(exc, ControlVectorError):
+        return APIError(400, str(exc), code=exc.code, param="control_vector")
+    if isinstance(exc, EngineClosedError):
+        return APIError(503, "the server is shutting down", code="engine_closed")
+    if isinstance(exc, LoramuxError):
+        log.error("request failed: %s", exc)
+        return APIError(500, str(exc), code=exc.code)
+    log.error("unexpected error", exc_info=(type(exc), exc, exc.__traceback__))
+    return APIError(500, f"internal error: {type(exc).__name__}", code="internal_error")
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request body", None
+    parts, param = [], None
+    for e in errors[:5]:
+        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+        where = ".".join(loc)
+        param = param or (where or None)
+        if e.get("type") == "json_invalid":
+            parts.append("the body is not valid JSON: " + str(e.get("ctx", {}).get("error", e.get("msg"))))
+        else:
+            parts.append(f"{where or 'body'}: {e.get('msg')}")
+    return "; ".join(parts), param
+
+
+def install_handlers(app: FastAPI) -> None:
+    """Register handlers so that validation errors, HTTP errors and crashes all answer OpenAI-shaped."""
+
+    @app.exception_handler(APIError)
+    async def _api(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        msg, param = _validation_message(exc)
+        return APIError(400, msg, code="invalid_request", param=param).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return APIError(exc.status_code, str(exc.detail), code=None).response()
+
+    @app.exception_handler(LoramuxError)
+    async def _loramux(_: Request, exc: LoramuxError) -> JSONResponse:
+        return from_exception(exc).response()
+
+    @app.exception_handler(Exception)
+    async def _crash(_: Request, exc: Exception) -> JSONResponse:
+        return from_exception(exc).response()
+
+
+__all__ = ["APIError", "from_exception", "install_handlers", "model_not_found"]

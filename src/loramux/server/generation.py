@@ -1,0 +1,280 @@
+"""Completions and chat completions: from an HTTP body to an engine request and back (JSON or SSE).
+
+The asyncio side never calls llama.cpp: tokenizing and chat templating run in worker threads, the
+engine runs the request on its own thread and reports events through `on_event`, which hands them
+to an asyncio.Queue with `call_soon_threadsafe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Request as HTTPRequest
+
+from ..errors import ContextLengthError
+from .errors import APIError, from_exception
+from .pool import Entry
+from .schemas import ChatRequest, CompletionRequest, SamplingFields
+
+if TYPE_CHECKING:
+    from .app import ServerState
+
+
+@dataclass
+class Job:
+    """One generation the server handed to the engine."""
+
+    state: ServerState
+    model: str
+    chat: bool
+    body: SamplingFields
+    prompt: list[int]
+    entries: list[Entry]
+    started: float
+    queue: asyncio.Queue[tuple[str, Any]] = field(default_factory=asyncio.Queue)
+    request: Any = None  # scheduler.Request once submitted
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    created: int = field(default_factory=lambda: int(time.time()))
+    closed: bool = False
+
+    def finish(self, status: int, completion: Any = None, *, record: bool = True) -> None:
+        """Release the adapters and record metrics (unless the caller records the failure); idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.request is not None and completion is None:
+            self.request.cancelled.set()  # nobody reads it any more: free its sequence
+        self.state.pool.release(self.entries)
+        if record:
+            self.state.record(self, status, completion)
+
+
+def sampling_args(body: SamplingFields, n_prompt: int, n_ctx: int, chat: bool) -> dict[str, Any]:
+    """Engine sampling settings for a request, with OpenAI's defaults and our bounds."""
+    if n_prompt >= n_ctx:
+        raise ContextLengthError(n_prompt, n_ctx)
+    max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
+    if max_tokens is None:
+        max_tokens = n_ctx - n_prompt if chat else 16
+    if n_prompt + max_tokens > n_ctx:
+        raise APIError(400, f"this model's context holds {n_ctx} tokens per request; the prompt has {n_prompt} "
+                            f"and max_tokens asks for {max_tokens} more: lower max_tokens or shorten the prompt",
+                       code="context_length_exceeded", param="max_tokens")
+    temperature = 1.0 if body.temperature is None else body.temperature
+    seed = body.seed if body.seed is not None else secrets.randbits(32)
+    seed &= 0xFFFFFFFF
+    if seed == 0xFFFFFFFF:  # llama.cpp reads this value as "pick a random seed"
+        seed -= 1
+    args: dict[str, Any] = {"max_tokens": max_tokens, "temperature": temperature, "seed": seed,
+                            "stop": body.stops(), "ignore_eos": body.ignore_eos}
+    for name in ("top_p", "top_k", "min_p", "repeat_penalty", "frequency_penalty", "presence_penalty"):
+        v = getattr(body, name)
+        if v is not None:
+            args[name] = v
+    return args
+
+
+async def prompt_tokens(state: ServerState, body: CompletionRequest | ChatRequest) -> list[int]:
+    eng = state.engine
+    if isinstance(body, ChatRequest):
+        try:
+            messages = body.message_dicts()
+        except ValueError as e:
+            raise APIError(400, str(e), code="invalid_request", param="messages") from None
+        text = await asyncio.to_thread(eng.apply_chat_template, messages)
+        return await asyncio.to_thread(eng.tokenize, text, add_bos=False)
+    try:
+        p = body.single_prompt()
+    except ValueError as e:
+        raise APIError(400, str(e), code="invalid_request", param="prompt") from None
+    if isinstance(p, str):
+        if not p:
+            raise APIError(400, "the prompt is empty", code="invalid_request", param="prompt")
+        return await asyncio.to_thread(eng.tokenize, p)
+    n_vocab = state.engine.model.n_vocab
+    if any(not 0 <= t < n_vocab for t in p):
+        raise APIError(400, f"prompt token ids must be in [0, {n_vocab})", code="invalid_request", param="prompt")
+    return list(p)
+
+
+async def start(state: ServerState, body: CompletionRequest | ChatRequest, chat: bool) -> Job:
+    """Check the request, resolve its adapters, and hand it to the engine."""
+    bad = body.unsupported()
+    if bad:
+        raise APIError(400, "; ".join(f"{p}: {why}" for p, why in bad), code="unsupported_parameter",
+                       param=bad[0][0])
+    started = time.monotonic()
+    loras = state.pool.resolve(body.model, body.lora)
+    control = await state.control_setting(body.control_vector)
+    tokens = await prompt_tokens(state, body)
+    sampling = sampling_args(body, len(tokens), state.engine.n_ctx, chat)
+    model = body.model or state.base_name
+    loop = asyncio.get_running_loop()
+    for _ in range(8):  # another request's reload may evict ours between the two steps: try again
+        await state.pool.ensure_resident(loras)
+        entries = state.pool.acquire(loras)  # from here to call_async: no await (see pool.py)
+        if entries is not None:
+            break
+    else:
+        raise APIError(503, "the requested adapters keep being evicted by other requests' adapters "
+                            "(max_loaded too small for this traffic); retry or raise --max-loaded",
+                       code="adapter_capacity")
+    job = Job(state, model, chat, body, tokens, entries, started)
+
+    def on_event(kind: str, value: Any) -> None:  # engine thread
+        try:
+            loop.call_soon_threadsafe(job.queue.put_nowait, (kind, value))
+        except RuntimeError:  # the loop is gone (shutdown): nobody is listening
+            pass
+
+    eng = state.engine
+    kwargs: dict[str, Any] = {"loras": loras, "on_event": on_event, **sampling}
+    if control is not None:
+        kwargs["control"] = control
+    try:
+        fut = eng.call_async(lambda: eng.submit(tokens, **kwargs))
+    except BaseException:
+        state.pool.release(entries)
+        raise
+    for name in loras:
+        state.metrics.adapter_requests.labels(name).inc()
+    try:
+        job.request = await asyncio.shield(asyncio.wrap_future(fut))
+    except asyncio.CancelledError:  # the client left while the submit was queued
+        fut.add_done_callback(lambda f: f.exception() is None and f.result().cancelled.set())
+        job.finish(499, record=False)  # the route records failures of start()
+        raise
+    except BaseException:
+        job.finish(500, record=False)
+        raise
+    return job
+
+
+async def _wait_disconnect(request: HTTPRequest) -> None:
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+async def _drain(job: Job) -> Any:
+    while True:
+        kind, value = await job.queue.get()
+        if kind == "done":
+            return value
+        if kind == "error":
+            raise value
+
+
+async def collect(job: Job, http: HTTPRequest) -> dict[str, Any] | None:
+    """Wait for the whole completion and build the body; None (request cancelled) if the client left."""
+    drain = asyncio.ensure_future(_drain(job))
+    watch = asyncio.ensure_future(_wait_disconnect(http))
+    try:
+        await asyncio.wait({drain, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not drain.done():
+            drain.cancel()
+    if not drain.done() or drain.cancelled():
+        job.finish(499)
+        return None
+    try:
+        completion = drain.result()
+    except BaseException as e:
+        err = from_exception(e)
+        job.finish(err.status)
+        raise err from None
+    job.finish(200, completion)
+    return _full_body(job, completion)
+
+
+def _usage(job: Job, completion: Any) -> dict[str, int]:
+    n = len(completion.tokens)
+    return {"prompt_tokens": len(job.prompt), "completion_tokens": n, "total_tokens": len(job.prompt) + n}
+
+
+def _finish_reason(completion: Any) -> str:
+    return "length" if completion.finish_reason == "length" else "stop"
+
+
+def _full_body(job: Job, completion: Any) -> dict[str, Any]:
+    reason = _finish_reason(completion)
+    if job.chat:
+        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": completion.text},
+                                  "logprobs": None, "finish_reason": reason}
+        obj, prefix = "chat.completion", "chatcmpl-"
+    else:
+        choice = {"index": 0, "text": completion.text, "logprobs": None, "finish_reason": reason}
+        obj, prefix = "text_completion", "cmpl-"
+    if job.body.return_token_ids:
+        choice["token_ids"] = list(completion.tokens)
+        choice["prompt_token_ids"] = list(job.prompt)
+    return {"id": prefix + job.id, "object": obj, "created": job.created, "model": job.model,
+            "choices": [choice], "usage": _usage(job, completion)}
+
+
+def _chunk(job: Job, text: str | None, reason: str | None = None, role: bool = False) -> str:
+    if job.chat:
+        delta: dict[str, Any] = {}
+        if role:
+            delta["role"] = "assistant"
+        if text is not None:
+            delta["content"] = text
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+        obj, prefix = "chat.completion.chunk", "chatcmpl-"
+    else:
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+        obj, prefix = "text_completion", "cmpl-"
+    body = {"id": prefix + job.id, "object": obj, "created": job.created, "model": job.model, "choices": [choice]}
+    return _sse(body)
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def stream(job: Job) -> AsyncIterator[str]:
+    """SSE in OpenAI's chunk format, ending with `data: [DONE]`. Leaving early cancels the request."""
+    try:
+        if job.chat:
+            yield _chunk(job, "", role=True)
+        while True:
+            kind, value = await job.queue.get()
+            if kind == "text":
+                yield _chunk(job, value)
+                continue
+            if kind == "error":
+                err = from_exception(value)
+                job.finish(err.status)
+                yield _sse(err.body())
+                yield "data: [DONE]\n\n"
+                return
+            break
+        completion = value
+        job.finish(200, completion)
+        last = _chunk(job, None if job.chat else "", reason=_finish_reason(completion))
+        if job.body.return_token_ids:
+            data = json.loads(last[6:])
+            data["choices"][0]["token_ids"] = list(completion.tokens)
+            data["choices"][0]["prompt_token_ids"] = list(job.prompt)
+            last = _sse(data)
+        yield last
+        if job.body.stream_options is not None and job.body.stream_options.include_usage:
+            prefix = "chatcmpl-" if job.chat else "cmpl-"
+            yield _sse({"id": prefix + job.id, "object": "chat.completion.chunk" if job.chat else "text_completion",
+                        "created": job.created, "model": job.model, "choices": [],
+                        "usage": _usage(job, completion)})
+        yield "data: [DONE]\n\n"
+    finally:
+        job.finish(499)  # no-op when it finished above; otherwise the client went away
+
+
+__all__ = ["Job", "collect", "sampling_args", "start", "stream"]

@@ -1,0 +1,106 @@
+"""Prometheus metrics, one registry per app.
+
+Besides loramux's own metrics this speaks the Gateway API Inference Extension's model-server
+protocol, so its reference endpoint picker (tuned to vLLM) works unchanged:
+
+- `vllm:num_requests_waiting` (gauge): requests queued, not yet holding a sequence slot;
+- `vllm:num_requests_running` (gauge): requests holding a slot;
+- `vllm:gpu_cache_usage_perc` and its newer name `vllm:kv_cache_usage_perc` (gauge, 0..1): the fraction
+  of the serving context's KV cells that running sequences occupy (cells kept only for prefix reuse
+  count as free: they are dropped whenever a slot is needed);
+- `vllm:lora_requests_info` (gauge, value = the time of this scrape, so the picker takes the newest):
+  labels `max_lora` (`--max-loaded`, else the number of resident adapters), `running_lora_adapters`
+  (resident adapters: every one of them is ready to serve without a load, which is what the picker
+  means by "loaded"), `waiting_lora_adapters` (adapters that queued requests wait for and that are
+  not resident: being reloaded after an LRU eviction).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class _LiveCollector:
+    """Gauges read at scrape time from the engine's scheduler and the adapter table."""
+
+    def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
+        self.snapshot = snapshot
+
+    def describe(self) -> list[Metric]:
+        return []  # live values: nothing to check for name clashes at registration
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.snapshot()
+        kv = s["kv_used"] / s["kv_total"] if s["kv_total"] else 0.0
+        for name, doc, value in (
+            ("vllm:num_requests_waiting", "Requests waiting for a sequence slot.", s["waiting"]),
+            ("vllm:num_requests_running", "Requests holding a sequence slot.", s["running"]),
+            ("vllm:gpu_cache_usage_perc", "Fraction of KV cells used by running sequences (0..1).", kv),
+            ("vllm:kv_cache_usage_perc", "Fraction of KV cells used by running sequences (0..1).", kv),
+            ("loramux_num_requests_waiting", "Requests waiting for a sequence slot.", s["waiting"]),
+            ("loramux_num_requests_running", "Requests holding a sequence slot.", s["running"]),
+            ("loramux_kv_cache_usage_ratio", "Fraction of KV cells used by running sequences (0..1).", kv),
+            ("loramux_resident_adapters", "Adapters loaded in memory.", len(s["resident"])),
+            ("loramux_known_adapters", "Adapters the server can serve (resident or evicted).", s["known"]),
+        ):
+            yield GaugeMetricFamily(name, doc, value=value)
+        info = GaugeMetricFamily("vllm:lora_requests_info", "Adapter state; value: time of this update.",
+                                 labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+        info.add_metric([str(s["max_lora"]), ",".join(s["resident"]), ",".join(s["waiting_not_resident"])],
+                        time.time())
+        yield info
+        per = GaugeMetricFamily("loramux_adapter_requests_running", "Running requests per adapter.",
+                                labels=["adapter"])
+        for name, n in sorted(s["running_adapters"].items()):
+            per.add_metric([name], n)
+        yield per
+        per = GaugeMetricFamily("loramux_adapter_requests_waiting", "Queued requests per adapter.",
+                                labels=["adapter"])
+        for name, n in sorted(s["waiting_adapters"].items()):
+            per.add_metric([name], n)
+        yield per
+        for name, doc, key in (
+            ("loramux_adapter_switches", "Changes of the adapter set applied to the serving context.",
+             "adapter_switches"),
+            ("loramux_decode_steps", "Decode calls of the serving context.", "decode_steps"),
+            ("loramux_adapter_evictions", "Adapters evicted by the LRU (--max-loaded).", "evictions"),
+        ):
+            yield CounterMetricFamily(name, doc, value=s.get(key, 0))
+        loads = CounterMetricFamily("loramux_adapter_loads", "Adapter loads at runtime.", labels=["result"])
+        for result, n in s["loads"].items():
+            loads.add_metric([result], n)
+        yield loads
+
+
+class Metrics:
+    """Counters and histograms updated by the request handlers, plus the live collector."""
+
+    def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("loramux_requests", "Finished requests by model and HTTP status "
+                                "(499: the client went away).", ["model", "status"], registry=r)
+        self.adapter_requests = Counter("loramux_adapter_requests", "Generation requests that used each "
+                                        "adapter.", ["adapter"], registry=r)
+        self.prompt_tokens = Counter("loramux_prompt_tokens", "Prompt tokens processed.", ["model"], registry=r)
+        self.generation_tokens = Counter("loramux_generation_tokens", "Tokens generated.", ["model"], registry=r)
+        self.e2e = Histogram("loramux_e2e_request_latency_seconds", "Request latency, arrival to last byte.",
+                             ["model"], buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("loramux_time_to_first_token_seconds", "Arrival to first generated token.",
+                              ["model"], buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram("loramux_request_queue_time_seconds", "Arrival to admission "
+                                    "(submitted to the engine).", ["model"], buckets=LATENCY_BUCKETS, registry=r)
+        r.register(_LiveCollector(snapshot))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+__all__ = ["CONTENT_TYPE", "Metrics"]

@@ -1,0 +1,307 @@
+"""The server's adapter table: names, stable ids, default and global scales, residency (LRU), safety.
+
+Ordering is what keeps requests from ever seeing a half-loaded or vanished adapter:
+
+- the table changes only on the event loop, and a name enters it only after the engine finished
+  loading (validate-then-commit) the adapter;
+- a request checks its adapters against the table and queues its submit to the engine thread in one
+  synchronous step, and an unload/eviction removes the name and queues the engine's removal in one
+  synchronous step; the engine runs commands in the order they were queued. So a request that saw
+  the adapter is admitted before the removal runs, and the engine keeps a removed adapter alive
+  (retired) until the requests using it finish; a request that comes later gets a 404.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import SourceError
+from .config import NAME_RE, NAME_RULE, ServerSettings
+from .errors import APIError, model_not_found
+from .schemas import LoraRef
+
+log = logging.getLogger("loramux.server")
+MAX_SCALE = 1000.0
+
+
+@dataclass
+class Entry:
+    """One known adapter. `resident` is False after an LRU eviction (reloaded on the next request)."""
+
+    name: str
+    id: int
+    source: str
+    path: str
+    scale: float  # scale when a request names it (model=..., or lora entry without a scale)
+    global_scale: float  # scale in the global set that base-model requests without `lora` get
+    pinned: bool
+    resident: bool = True
+    inflight: int = 0
+    last_used: float = field(default_factory=time.monotonic)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+class AdapterPool:
+    """Adapter table of one server. Only the event loop touches it."""
+
+    def __init__(self, engine: Any, settings: ServerSettings, base_name: str) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.base_name = base_name
+        self.entries: dict[str, Entry] = {}
+        self._next_id = 0
+        self._lock: asyncio.Lock | None = None
+        self.evictions = 0
+        self.loads = {"ok": 0, "error": 0}
+        start = {e.name: e for e in settings.loras}
+        active = engine.active
+        for name, a in engine.adapters.items():  # adapters loaded before serving are pinned
+            e = start.get(name)
+            scale = e.scale if e else (active.get(name) or 1.0)
+            glob = e.apply if e else active.get(name, 0.0)
+            self._add(name, str(a.source), str(a.path), scale, glob, pinned=True)
+
+    # ------------------------------------------------------------------ lookups
+    @property
+    def lock(self) -> asyncio.Lock:
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        return self._lock
+
+    def ordered(self) -> list[Entry]:
+        return sorted(self.entries.values(), key=lambda e: e.id)
+
+    def resident(self) -> list[Entry]:
+        return [e for e in self.ordered() if e.resident]
+
+    def _add(self, name: str, source: str, path: str, scale: float, global_scale: float, *, pinned: bool) -> Entry:
+        e = Entry(name, self._next_id, source, path, scale, global_scale, pinned)
+        self._next_id += 1
+        self.entries[name] = e
+        return e
+
+    def _by_ref(self, ref: LoraRef, i: int) -> Entry:
+        if ref.name is not None:
+            e = self.entries.get(ref.name)
+        else:
+            e = next((x for x in self.entries.values() if x.id == ref.id), None)
+        if e is None:
+            what = repr(ref.name) if ref.name is not None else f"id {ref.id}"
+            known = ", ".join(f"{x.id}:{x.name}" for x in self.ordered()) or "none"
+            raise APIError(404, f"lora[{i}]: no adapter {what} (loaded: {known}); GET /lora-adapters lists them",
+                           code="adapter_not_found", param=f"lora[{i}]")
+        return e
+
+    def resolve(self, model: str | None, lora: Sequence[LoraRef] | None) -> dict[str, float]:
+        """The adapter set (name → scale, in application order) a request asks for.
+
+        model = base (or omitted): the global set, or exactly the `lora` list if one is given
+        (llama-server: adapters not listed get scale 0). model = adapter: that adapter at its scale,
+        plus the `lora` list. Unknown names and ids are 404s: never a silent fallback to the base.
+        """
+        if model is None or model == self.base_name:
+            out = ({} if lora is not None else
+                   {e.name: e.global_scale for e in self.ordered() if e.global_scale != 0.0})
+        elif model in self.entries:
+            out = {model: self.entries[model].scale}
+        else:
+            raise model_not_found(model, [self.base_name, *(e.name for e in self.ordered())])
+        for i, ref in enumerate(lora or ()):
+            e = self._by_ref(ref, i)
+            s = e.scale if ref.scale is None else float(ref.scale)
+            if not math.isfinite(s) or abs(s) > MAX_SCALE:
+                raise APIError(400, f"lora[{i}].scale must be a finite number within ±{MAX_SCALE:g}",
+                               code="invalid_scale", param=f"lora[{i}].scale")
+            out[e.name] = s
+        return {n: s for n, s in out.items() if s != 0.0}
+
+    # ------------------------------------------------------------------ use by requests
+    async def ensure_resident(self, names: Iterable[str]) -> None:
+        """Reload adapters an LRU eviction took out (one load at a time), never evicting one of `names`:
+        a set that cannot be resident at once under max_loaded is a 503, not a reload loop."""
+        names = list(names)
+        for n in names:
+            e = self.entries.get(n)
+            if e is None:
+                raise model_not_found(n, [self.base_name, *self.entries])
+            if not e.resident:
+                async with self.lock:
+                    if self.entries.get(n) is e and not e.resident:
+                        await self._reload(e, keep=set(names))
+
+    def acquire(self, names: Iterable[str]) -> list[Entry] | None:
+        """Mark the adapters in use if all are resident right now (synchronous: see the module doc)."""
+        es = []
+        for n in names:
+            e = self.entries.get(n)
+            if e is None:
+                raise model_not_found(n, [self.base_name, *self.entries])
+            es.append(e)
+        if not all(e.resident for e in es):
+            return None
+        now = time.monotonic()
+        for e in es:
+            e.inflight += 1
+            e.last_used = now
+        return es
+
+    @staticmethod
+    def release(entries: Iterable[Entry]) -> None:
+        for e in entries:
+            e.inflight = max(0, e.inflight - 1)
+
+    # ------------------------------------------------------------------ load / unload
+    async def load(self, name: str, source: str, *, scale: float = 1.0, replace: bool = False,
+                   pinned: bool = False) -> Entry:
+        """Validate, load and only then publish an adapter; evict LRU adapters past max_loaded."""
+        if not NAME_RE.match(name) or name == self.base_name:
+            raise APIError(400, f"invalid adapter name {name!r}: names must be {NAME_RULE} and differ from "
+                                f"the base model's name", code="invalid_name", param="lora_name")
+        if not math.isfinite(scale) or abs(scale) > MAX_SCALE:
+            raise APIError(400, f"scale must be finite and within ±{MAX_SCALE:g}", param="scale")
+        local = self.check_source(source)
+        async with self.lock:
+            old = self.entries.get(name)
+            if old is not None and not replace:
+                raise APIError(400, f"an adapter named {name!r} is already loaded; unload it first, or send "
+                                    "\"replace\": true to swap it atomically", code="adapter_exists",
+                               param="lora_name")
+            if old is None or not old.resident:
+                self._check_room(keep={name})
+            try:
+                adapter = await asyncio.to_thread(self.engine.load_lora, local, name)
+            except BaseException:
+                self.loads["error"] += 1
+                raise
+            self.loads["ok"] += 1
+            if old is not None and self.entries.get(name) is old:
+                old.source, old.path, old.scale, old.resident = source, str(adapter.path), scale, True
+                old.pinned = old.pinned or pinned
+                e = old
+            else:
+                e = self._add(name, source, str(adapter.path), scale, 0.0, pinned=pinned)
+            await self._wait(self._make_room(keep={name}))
+            return e
+
+    async def unload(self, name: str) -> Entry:
+        """Forget an adapter. Requests already admitted with it finish; later ones get 404."""
+        async with self.lock:
+            e = self.entries.pop(name, None)
+            if e is None:
+                raise APIError(404, f"no adapter named {name!r} is loaded", code="adapter_not_found",
+                               param="lora_name")
+            if e.resident:
+                e.resident = False
+                await asyncio.wrap_future(self._queue_removal(name))
+            return e
+
+    def set_global_scales(self, pairs: Sequence[tuple[int, float]]) -> None:
+        """llama-server's POST /lora-adapters: listed ids get their scale, every other adapter 0."""
+        by_id = {e.id: e for e in self.entries.values()}
+        bad = [i for i, _ in pairs if i not in by_id]
+        if bad:
+            raise APIError(400, f"invalid adapter id(s) {bad}; GET /lora-adapters lists the ids",
+                           code="adapter_not_found", param="id")
+        for i, s in pairs:
+            if not math.isfinite(s) or abs(s) > MAX_SCALE:
+                raise APIError(400, f"scale of id {i} must be finite and within ±{MAX_SCALE:g}", param="scale")
+        for e in self.entries.values():
+            e.global_scale = 0.0
+        for i, s in pairs:
+            by_id[i].global_scale = float(s)
+
+    # ------------------------------------------------------------------ residency
+    def _queue_removal(self, name: str) -> Any:
+        eng = self.engine
+        fut = eng.call_async(lambda: eng.remove_lora(name))
+        fut.add_done_callback(lambda f: f.exception() and log.warning("removing %s: %s", name, f.exception()))
+        return fut
+
+    def _candidates(self, keep: set[str]) -> list[Entry]:
+        c = [e for e in self.entries.values() if e.resident and not e.pinned and e.name not in keep]
+        return sorted(c, key=lambda e: (e.inflight > 0, e.last_used))  # idle first, then least recent
+
+    def _check_room(self, keep: set[str]) -> None:
+        cap = self.settings.max_loaded
+        if cap is not None and len(self.resident()) >= cap and not self._candidates(keep):
+            raise APIError(503, f"no room for another resident adapter: max_loaded={cap} and every resident "
+                                "adapter is pinned or needed by this request; unload one or raise --max-loaded",
+                           code="adapter_capacity")
+
+    def _make_room(self, keep: set[str]) -> list[Any]:
+        """Evict least recently used unpinned adapters past max_loaded; returns the removals' futures."""
+        cap, futures = self.settings.max_loaded, []
+        while cap is not None and len(self.resident()) > cap:
+            cands = self._candidates(keep)
+            if not cands:
+                break
+            victim = cands[0]
+            victim.resident = False
+            self.evictions += 1
+            log.info("evicting adapter %s (least recently used, max_loaded=%d)", victim.name, cap)
+            futures.append(self._queue_removal(victim.name))
+        return futures
+
+    @staticmethod
+    async def _wait(futures: list[Any]) -> None:
+        for f in futures:
+            try:
+                await asyncio.wrap_future(f)
+            except Exception:  # noqa: BLE001 - logged by _queue_removal; the table is already updated
+                pass
+
+    async def _reload(self, e: Entry, keep: set[str]) -> None:
+        self._check_room(keep)
+        try:
+            await asyncio.to_thread(self.engine.load_lora, e.path, e.name)
+        except BaseException:
+            self.loads["error"] += 1
+            raise
+        self.loads["ok"] += 1
+        e.resident = True
+        await self._wait(self._make_room(keep))
+
+    # ------------------------------------------------------------------ security
+    def check_source(self, source: str) -> str:
+        """What may be loaded at runtime: files inside --adapter-dir (symlinks resolved), remote sources
+        only with --allow-remote-adapters. Returns what to hand to the engine."""
+        from ..sources import Source
+
+        try:
+            src = Source.parse(source)
+        except SourceError as e:
+            raise APIError(400, str(e), code="invalid_source", param="lora_path") from None
+        if src.kind != "path":
+            if not self.settings.allow_remote_adapters:
+                raise APIError(403, f"loading adapters from {src.kind} sources is disabled; start the server "
+                                    "with --allow-remote-adapters to allow it", code="remote_adapters_disabled",
+                               param="lora_path")
+            return source
+        dirs = [Path(os.path.realpath(Path(d).expanduser())) for d in self.settings.adapter_dirs]
+        if not dirs:
+            raise APIError(403, "loading adapters by path at runtime is disabled; start the server with "
+                                "--adapter-dir DIR and put the adapter file there", code="adapter_dir_required",
+                           param="lora_path")
+        assert src.path is not None
+        cands = [src.path] if src.path.is_absolute() else [d / src.path for d in dirs]
+        path = next((c for c in cands if os.path.lexists(c)), cands[0])
+        real = Path(os.path.realpath(path))
+        if not any(real.is_relative_to(d) for d in dirs):
+            raise APIError(403, f"lora_path {source!r} resolves outside the adapter directories "
+                                f"({', '.join(map(str, dirs))}); symlinks and '..' may not leave them",
+                           code="path_not_allowed", param="lora_path")
+        if not real.is_file():
+            raise APIError(400, f"lora_path {source!r}: no such adapter file in the adapter directories",
+                           code="adapter_file_not_found", param="lora_path")
+        return str(real)
+
+
+__all__ = ["AdapterPool", "Entry"]

@@ -1,0 +1,200 @@
+"""Request bodies of the OpenAI-compatible API, with loramux's extensions.
+
+Unknown OpenAI fields are ignored; fields we cannot honour (n > 1, logprobs, tools, logit_bias...)
+are refused with a 400 that names them, rather than silently ignored. Extensions, as in
+llama-server and vLLM: `lora` (per-request adapter stack), `control_vector`, `top_k`, `min_p`,
+`repeat_penalty`, `ignore_eos`, `return_token_ids`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MAX_STOP = 16
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class LoraRef(_Body):
+    """One entry of a per-request `lora` list: an adapter by name or by /lora-adapters id."""
+
+    name: str | None = None
+    id: int | None = None
+    scale: float | None = None
+
+    @model_validator(mode="after")
+    def _one_key(self) -> LoraRef:
+        if (self.name is None) == (self.id is None):
+            raise ValueError("each lora entry needs exactly one of 'name' or 'id'")
+        return self
+
+
+class ControlRef(_Body):
+    """A control vector loaded at start (`--control-vector NAME=FILE`), with a strength."""
+
+    name: str
+    strength: float = 1.0
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class SamplingFields(_Body):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=0)
+    temperature: float | None = Field(default=None, ge=0.0, le=100.0)
+    top_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=0)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    repeat_penalty: float | None = Field(default=None, gt=0.0, le=100.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    ignore_eos: bool = False
+    return_token_ids: bool = False
+    lora: list[LoraRef] | None = None
+    control_vector: ControlRef | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v: str | list[str] | None) -> str | list[str] | None:
+        items = [v] if isinstance(v, str) else (v or [])
+        if len(items) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop strings")
+        if any(not s for s in items):
+            raise ValueError("stop strings must be non-empty")
+        return v
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        """(parameter, why) for every field set to something this server cannot do."""
+        out = []
+        if self.n != 1:
+            out.append(("n", "only n=1 is supported; send several requests instead"))
+        if self.logit_bias:
+            out.append(("logit_bias", "logit_bias is not supported"))
+        return out
+
+    def stops(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+
+class CompletionRequest(SamplingFields):
+    """POST /v1/completions."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        out = super().unsupported()
+        if self.echo:
+            out.append(("echo", "echo is not supported"))
+        if self.logprobs:
+            out.append(("logprobs", "logprobs are not returned by this server"))
+        if self.best_of not in (None, 1):
+            out.append(("best_of", "only best_of=1 is supported"))
+        if self.suffix:
+            out.append(("suffix", "suffix (insertion) is not supported"))
+        return out
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt of this request (a string or token ids); several prompts are refused."""
+        p: Any = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise ValueError("only one prompt per request is supported")
+            p = p[0]
+        if isinstance(p, list) and not p:
+            raise ValueError("the prompt is empty")
+        return p
+
+
+class TextPart(_Body):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        bad = [p.type for p in self.content if p.type != "text"]
+        if bad:
+            raise ValueError(f"only text content parts are supported, got {', '.join(sorted(set(bad)))}")
+        return "".join(p.text or "" for p in self.content)
+
+
+class ChatRequest(SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=0)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        out = super().unsupported()
+        if self.logprobs or self.top_logprobs:
+            out.append(("logprobs", "logprobs are not returned by this server"))
+        if self.tools or self.functions or self.tool_choice not in (None, "none"):
+            out.append(("tools", "tool calling is not supported"))
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            out.append(("response_format", "only response_format {'type': 'text'} is supported"))
+        return out
+
+    def message_dicts(self) -> list[dict[str, str]]:
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                for m in self.messages]
+
+
+class LoadAdapterRequest(_Body):
+    """POST /v1/load_lora_adapter (vLLM's body, plus `scale`, `replace` and `pinned`)."""
+
+    lora_name: str = Field(min_length=1, max_length=128)
+    lora_path: str = Field(min_length=1, max_length=4096)
+    scale: float = 1.0
+    replace: bool = False
+    pinned: bool = False
+
+
+class UnloadAdapterRequest(_Body):
+    """POST /v1/unload_lora_adapter."""
+
+    lora_name: str = Field(min_length=1, max_length=128)
+    lora_int_id: int | None = None
+
+
+class AdapterScale(_Body):
+    """One entry of POST /lora-adapters (llama-server's body)."""
+
+    id: int
+    scale: float = 0.0
+
+
+__all__ = ["AdapterScale", "ChatMessage", "ChatRequest", "CompletionRequest", "ControlRef",
+           "LoadAdapterRequest", "LoraRef", "SamplingFields", "StreamOptions", "UnloadAdapterRequest"]
