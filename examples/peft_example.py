@@ -6,7 +6,7 @@
 What it does:
 1. loads the default model (Gemma 3 270M Q4_K_M) into transformers, dequantized to F32;
 2. trains a rank-8 LoRA on all projections with PEFT to answer every question like a pirate;
-3. converts it with `loramux.convert_peft` into examples/adapters/pirate.gguf (F16, ~3.8 MB);
+3. converts it with `loramux.convert_peft` into src/loramux/data/pirate.gguf (F16, ~3.8 MB);
 4. measures it: held-out answer loss before/after with transformers+PEFT and with llama.cpp
    (through loramux, on the quantized base), and greedy answers before/after.
 
@@ -186,7 +186,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=24, help="training steps (default 24)")
     ap.add_argument("--batch", type=int, default=4, help="examples per step (default 4)")
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "adapters" / "pirate.gguf")
+    ap.add_argument("--out", type=Path,
+                    default=Path(__file__).resolve().parents[1] / "src" / "loramux" / "data" / "pirate.gguf")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     torch.set_num_threads(2)

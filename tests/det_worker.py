@@ -14,6 +14,7 @@ import time
 import numpy as np
 
 import loramux as lm
+from loramux import _native as N
 from loramux.model import Context, ContextOptions
 
 
@@ -26,21 +27,25 @@ def main() -> None:
     long_text = "The history of the river valley is long and full of change. " * 12
     prompts = [f"Question {i}: tell me about {w}." for i, w in enumerate(
         ["cats", "rivers", "the moon", "bread", "music", "trains", "snow", "gardens", "maps", "clocks",
-         "bees", "ships"])] + [long_text + f" Part {i}." for i in range(4)]
+         "bees", "ships"])][:10] + [long_text + f" Part {i}." for i in range(2)]
     jobs = [(p, sets[i % len(sets)]) for i, p in enumerate(prompts)]
-    solo = [eng.generate(p, loras=s, max_tokens=24, ignore_eos=True).text for p, s in jobs]
+    solo = [eng.generate(p, loras=s, max_tokens=16, ignore_eos=True).text for p, s in jobs]
     out: list[str | None] = [None] * len(jobs)
 
     def run(i: int, delay: float) -> None:
         time.sleep(delay)
-        out[i] = eng.generate(jobs[i][0], loras=jobs[i][1], max_tokens=24, ignore_eos=True).text
+        out[i] = eng.generate(jobs[i][0], loras=jobs[i][1], max_tokens=16, ignore_eos=True).text
     threads = [threading.Thread(target=run, args=(i, 0.05 * (i % 5))) for i in range(len(jobs))]
     [t.start() for t in threads]
     [t.join() for t in threads]
     same_text = sum(a == b for a, b in zip(solo, out))
-    rows = logits_rows(eng, [p for p, _ in jobs[:8]]) if det or not slots else (0, 0)
+    base_jobs = [i for i, (_, s) in enumerate(jobs) if not s]
+    same_base = sum(solo[i] == out[i] for i in base_jobs)
+    rows = logits_rows(eng, [p for p, _ in jobs[8:]] + [p for p, _ in jobs[:4]]) if det or not slots else (0, 0)
     eng.close()
-    print(json.dumps({"texts": len(jobs), "same_text": same_text, "rows": rows[1], "same_rows": rows[0]}))
+    print(json.dumps({"texts": len(jobs), "same_text": same_text, "rows": rows[1], "same_rows": rows[0],
+                      "base_texts": len(base_jobs), "same_base_text": same_base,
+                      "llamafile": "LLAMAFILE = 1" in N.system_info()}))
 
 
 def logits_rows(eng: lm.Engine, prompts: list[str]) -> tuple[int, int]:
@@ -49,13 +54,19 @@ def logits_rows(eng: lm.Engine, prompts: list[str]) -> tuple[int, int]:
     o = eng.ctx.opts
 
     def run(batched: bool) -> list[list[np.ndarray]]:
-        ctx = Context(eng.model, ContextOptions(n_ctx=o.n_ctx, n_batch=o.n_batch, n_ubatch=o.n_ubatch,
+        ctx = Context(eng.model, ContextOptions(n_ctx=o.n_ctx, n_batch=2048, n_ubatch=o.n_ubatch,
                                                 n_seq_max=8, n_threads=2, kv_unified=o.kv_unified))
         rows: list[list[np.ndarray]] = [[] for _ in toks]
         try:
             for group in ([list(range(len(toks)))] if batched else [[i] for i in range(len(toks))]):
-                pending = {i: (toks[i], 0) for i in group}
-                for _ in range(7):
+                pending = {}
+                for i in group:  # prompts are prefilled one at a time, as the deterministic scheduler does
+                    ctx.batch.clear()
+                    ctx.batch.add(toks[i], 0, i, [False] * (len(toks[i]) - 1) + [True])
+                    ctx.handle.decode(ctx.batch)
+                    rows[i].append(ctx.handle.logits_row(ctx.batch.n - 1))
+                    pending[i] = ([int(np.argmax(rows[i][-1]))], len(toks[i]))
+                for _ in range(5):
                     ctx.batch.clear()
                     for i, (t, pos) in pending.items():
                         ctx.batch.add(t, pos, i, [False] * (len(t) - 1) + [True])

@@ -6,6 +6,7 @@ Each case runs in a fresh process: ggml reads its kernel switches once per proce
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -37,8 +38,8 @@ def _adapters(model_path: Path, tmp: Path, n: int = 3, rank: int = 8, scale: flo
     return out
 
 
-def _run(model: Path, det: bool, slots: int, adapters: list[str]) -> dict:
-    r = subprocess.run([sys.executable, str(WORKER), str(model), "1" if det else "0", str(slots), *adapters],
+def _run(model: Path, det: bool, slots: int, adapters: list[str], python: str = sys.executable) -> dict:
+    r = subprocess.run([python, str(WORKER), str(model), "1" if det else "0", str(slots), *adapters],
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -46,9 +47,23 @@ def _run(model: Path, det: bool, slots: int, adapters: list[str]) -> dict:
 
 @pytest.mark.gemma
 @pytest.mark.slow
+def test_deterministic_base_requests_on_default_build(gemma_path, tmp_path):
+    """Default build: base requests (and engine-level logits) are identical solo and under load."""
+    res = _run(gemma_path, True, 4, _adapters(gemma_path, tmp_path))
+    assert res["same_base_text"] == res["base_texts"] > 0, res
+    assert res["same_rows"] == res["rows"] and res["rows"] > 0, res
+
+
+@pytest.mark.gemma
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("LORAMUX_DET_PYTHON"),
+                    reason="needs a Python whose llama-cpp-python is built with -DGGML_LLAMAFILE=OFF "
+                           "(set LORAMUX_DET_PYTHON; .ci/run builds one)")
 @pytest.mark.parametrize("slots", [0, 4])
-def test_deterministic_mode_is_batch_invariant(gemma_path, tmp_path, slots):
-    res = _run(gemma_path, True, slots, _adapters(gemma_path, tmp_path))
+def test_deterministic_mode_with_adapters(gemma_path, tmp_path, slots):
+    """LLAMAFILE=OFF build: 12 requests over several adapters and the base, staggered, with long prompts."""
+    res = _run(gemma_path, True, slots, _adapters(gemma_path, tmp_path), python=os.environ["LORAMUX_DET_PYTHON"])
+    assert res["llamafile"] is False, res
     assert res["same_text"] == res["texts"], res
     assert res["same_rows"] == res["rows"] and res["rows"] > 0, res
 

@@ -22,7 +22,7 @@ examples:
   loramux run --lora style.gguf:0.5 --lora hf://owner/repo/domain.gguf -p "Hello"
   loramux run --chat -p "Write a haiku about llamas"
   loramux inspect adapter.gguf --factors
-  loramux serve --lora pirate=examples/adapters/pirate.gguf --parallel 4
+  loramux serve                                                  # embedded model + the example "pirate" adapter
   loramux <command> --help                                       # every command teaches its options
 
 MODEL is optional everywhere: without it loramux uses the embedded Gemma 3 270M (Q4_K_M).

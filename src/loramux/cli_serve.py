@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from .errors import ParameterError
@@ -42,10 +43,12 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--lora", action="append", default=[], metavar="NAME=SRC[:SCALE]",
                    help="adapter to load at start, pinned (repeatable). SRC: path, https:// URL or "
                         "hf://owner/repo/file.gguf; SCALE: its scale when a request names it (default 1)")
-    p.add_argument("--parallel", type=int, default=None, help="sequences decoded together (default 1)")
+    p.add_argument("--no-example-adapter", action="store_true",
+                   help="on the embedded model without --lora, do not offer the shipped 'pirate' adapter")
+    p.add_argument("--parallel", type=int, default=None, help="sequences decoded together (default 4)")
     p.add_argument("--slots", type=int, default=None, metavar="K",
                    help="slot bank: requests on up to K different adapters share every decode step "
-                        "(default 0: adapter-set groups take turns)")
+                        "(default 4; 0: adapter-set groups take turns instead)")
     p.add_argument("--slot-rank", type=int, default=None, metavar="R",
                    help="largest adapter rank a bank slot holds (default 16; larger ones take turns)")
     p.add_argument("--deterministic", action="store_true", default=None,
@@ -87,6 +90,9 @@ def _pair(text: str, option: str) -> tuple[str, str]:
     return name, value
 
 
+EXAMPLE_ADAPTER = Path(__file__).parent / "data" / "pirate.gguf"
+
+
 def settings_from_args(args: argparse.Namespace) -> Any:
     """ServerSettings from --config (if any) with the command-line options on top."""
     from .runtime import LoraSpec, adapter_name
@@ -94,6 +100,9 @@ def settings_from_args(args: argparse.Namespace) -> Any:
 
     base = ServerSettings.from_toml(args.config) if args.config else ServerSettings()
     loras = []
+    if not args.lora and not args.config and args.model is None and not args.no_example_adapter:
+        # First run on the embedded model: offer the shipped example adapter so an adapter visibly works.
+        loras.append(LoraEntry("pirate", str(EXAMPLE_ADAPTER), 1.0))
     for text in args.lora:
         spec = LoraSpec.parse(text)
         loras.append(LoraEntry(spec.name or adapter_name(spec.source), spec.source, spec.scale))

@@ -230,6 +230,10 @@ class Engine:
         if scale is not None:
             scale = check_scale(name, scale)
         path = _resolve(src, **source_options)
+        if self.deterministic and "LLAMAFILE = 1" in N.system_info():
+            log.warning("deterministic mode with adapters on a llama.cpp built with llamafile: adapter requests "
+                        "may still depend on their batch; reinstall with CMAKE_ARGS=\"-DGGML_LLAMAFILE=OFF\" "
+                        "pip install --force-reinstall --no-cache-dir llama-cpp-python==%s", N.PINNED_VERSION)
 
         def commit() -> LoRAAdapter:
             try:

@@ -68,12 +68,12 @@ class ServerSettings:
     served_model_name: str | None = None
     host: str = "127.0.0.1"
     port: int = 8080
-    parallel: int = 1
+    parallel: int = 4
     n_ctx: int = 4096
     n_batch: int = 512
     threads: int | None = None
     gpu_layers: int = 0
-    slots: int = 0  # slot bank: K adapters share every decode (0 = rotate adapter-set groups)
+    slots: int = 4  # slot bank: K adapters share every decode (0 = rotate adapter-set groups)
     slot_rank: int = 16
     deterministic: bool = False  # batch-invariant kernels: outputs do not depend on the batch
     api_key: str | None = field(default=None, repr=False)
