@@ -153,7 +153,9 @@ class LoRAAdapter:
                             found.setdefault(nm, s)
             return False  # never split the graph; the ask pass sees every node
 
-        ctx = Context(self.model, ContextOptions(n_ctx=64, n_batch=8, n_ubatch=8, n_seq_max=1), callback=cb)
+        # One thread: a one-token decode gains nothing from more, and waiting on busy cores costs a lot.
+        ctx = Context(self.model, ContextOptions(n_ctx=64, n_batch=8, n_ubatch=8, n_seq_max=1, n_threads=1),
+                      callback=cb)
         try:
             ctx.handle.set_adapters([self.handle], [1.0])
             ctx.prefill(0, [self.model.handle.bos if self.model.handle.bos >= 0 else 0])

@@ -154,13 +154,16 @@ class Context:
         n = len(tokens)
         for start in range(0, n, self.n_batch):
             chunk = tokens[start:start + self.n_batch]
+            # Only rows predicting a scored token need logits (row j predicts token start+j+1); llama.cpp
+            # then skips the output projection, the largest matmul, for the others.
+            want = [start + j + 1 < n and (mask is None or bool(mask[start + j + 1])) for j in range(len(chunk))]
             self.batch.clear()
-            self.batch.add(chunk, start, seq, True)
+            self.batch.add(chunk, start, seq, want)
             self.handle.decode(self.batch)
-            for j in range(len(chunk)):
-                i = start + j + 1  # row j predicts token i
-                if i >= n or (mask is not None and not mask[i]):
+            for j, w in enumerate(want):
+                if not w:
                     continue
+                i = start + j + 1
                 row = self.handle.logits_row(j).astype(np.float64)
                 m = row.max()
                 lse = m + np.log(np.exp(row - m).sum())

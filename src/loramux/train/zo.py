@@ -478,8 +478,9 @@ def _run(engine: Any, data: DataArg, eval_data: DataArg | None, out: Path, cfg: 
         raise
     except KeyboardInterrupt:
         # Ctrl-C may land between θ±εz writes: put the last finished step back and keep what was learned.
-        tr.adapter.set_factors_multi(tr.master)
-        _finish(tr, log, plot, failed=True)
+        if tr.adapter is not None and tr.master:
+            tr.adapter.set_factors_multi(tr.master)
+            _finish(tr, log, plot, failed=True)
         raise
     finally:
         if bar is not None:
@@ -490,13 +491,11 @@ def _run(engine: Any, data: DataArg, eval_data: DataArg | None, out: Path, cfg: 
 
 
 def _eval_row(step: int, loss: float) -> dict[str, Any]:
-    return {"step": step, "loss_plus": None, "loss_minus": None, "loss": None, "grad": None, "lr": None,
-            "eval_loss": loss,
-            "write_s": None, "forward_s": None, "other_s": None, "step_s": None, "elapsed_s": 0.0}
+    return {**dict.fromkeys(LOG_FIELDS), "step": step, "eval_loss": loss, "elapsed_s": 0.0}
 
 
 def _finish(tr: ZOTrainer, log: Any, plot: Any, *, failed: bool) -> None:
-    """Write OUT (and OUT.last), the log and the plot; reload OUT in the engine after a good run."""
+    """Write OUT (and OUT.last), the log and the plot; after a good run the live adapter holds OUT."""
     if tr.evals and tr.best is not None:
         tr._save(tr.out, tr.best)
         tr._save(_last_path(tr.out), tr.master)
