@@ -6,7 +6,6 @@ PEFT LoRA on it is converted, and llama.cpp's logits with the adapter must equal
 
 from __future__ import annotations
 
-import inspect
 import json
 import math
 from pathlib import Path
@@ -32,42 +31,18 @@ PROJ = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pr
 # llama.cpp logits
 # ---------------------------------------------------------------------------------------------
 
-def _kv_f32_option() -> dict | None:
-    """Engine.load's option for an F32 KV cache, if it has one. llama.cpp's default F16 cache alone
-    moves these tiny models' logits by ~5e-3, more than the tolerances below."""
+def cpp_logits(model: Path, tokens: list[int], lora: Path | None = None, scale: float = 1.0) -> np.ndarray:
+    """All-position logits from llama.cpp through loramux's Engine, with an F32 KV cache: the default F16
+    cache alone moves these tiny models' logits by ~5e-3, more than the tolerances below."""
     import loramux as lm
 
-    params = inspect.signature(lm.Engine.load).parameters
-    if "kv_type" in params:
-        return {"kv_type": "f32"}
-    if "type_k" in params:
-        return {"type_k": "f32", "type_v": "f32"}
-    return None
-
-
-def cpp_logits(model: Path, tokens: list[int], lora: Path | None = None, scale: float = 1.0) -> np.ndarray:
-    """All-position logits from llama.cpp with an F32 KV cache (through loramux's Engine)."""
-    opt = _kv_f32_option()
-    if opt is not None:
-        import loramux as lm
-
-        eng = lm.Engine.load(str(model), n_ctx=256, n_threads=2, **opt)
-        try:
-            if lora is not None:
-                eng.set_lora(str(lora), scale=scale, name="x")
-            return np.asarray(eng.logits(tokens), dtype=np.float32)
-        finally:
-            eng.close()
-    # Stand-in until Engine.load takes a KV type: llama-cpp-python's own high-level class.
-    import llama_cpp
-
-    llm = llama_cpp.Llama(model_path=str(model), lora_path=str(lora) if lora else None, lora_scale=scale,
-                          n_ctx=256, n_threads=2, logits_all=True, verbose=False, type_k=0, type_v=0)
+    eng = lm.Engine.load(str(model), n_ctx=256, n_threads=2, kv_type="f32")
     try:
-        llm.eval(tokens)
-        return np.array(llm.scores[:len(tokens)], dtype=np.float32)
+        if lora is not None:
+            eng.set_lora(str(lora), scale=scale, name="x")
+        return np.asarray(eng.logits(tokens), dtype=np.float32)
     finally:
-        llm.close()
+        eng.close()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -384,8 +384,12 @@ class ContextHandle(_Handle):
     @classmethod
     def create(cls, model: ModelHandle, *, n_ctx: int, n_batch: int, n_ubatch: int, n_seq_max: int,
                n_threads: int, n_threads_batch: int, kv_unified: bool = False, flash_attn: bool = False,
-               callback: EvalCallback | None = None) -> ContextHandle:
+               kv_type: str = "f16", callback: EvalCallback | None = None) -> ContextHandle:
         p = C.llama_context_default_params()
+        if kv_type not in KV_TYPES:
+            raise BackendError("llama_context_params", None, f"unknown KV cache type {kv_type!r}",
+                               hint=f"use one of {', '.join(KV_TYPES)}")
+        p.type_k = p.type_v = KV_TYPES[kv_type]
         p.n_ctx, p.n_batch, p.n_ubatch, p.n_seq_max = n_ctx, n_batch, n_ubatch, n_seq_max
         p.n_threads, p.n_threads_batch = n_threads, n_threads_batch
         p.kv_unified = kv_unified
@@ -467,6 +471,9 @@ class ContextHandle(_Handle):
 
     def set_threads(self, n_threads: int, n_threads_batch: int) -> None:
         C.llama_set_n_threads(self.ptr, n_threads, n_threads_batch)
+
+
+KV_TYPES = {"f32": 0, "f16": 1, "bf16": 30, "q8_0": 8}  # enum ggml_type ids llama.cpp's KV cache accepts here
 
 
 def _make_eval_callback(fn: EvalCallback) -> Any:

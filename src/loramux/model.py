@@ -33,6 +33,7 @@ class ContextOptions:
     n_threads_batch: int | None = None
     kv_unified: bool = False
     flash_attn: bool = False
+    kv_type: str = "f16"  # "f32" for reference comparisons (the F16 cache rounds K and V)
 
 
 def default_threads() -> int:
@@ -115,7 +116,7 @@ class Context:
         self.handle = N.ContextHandle.create(
             model.handle, n_ctx=opts.n_ctx, n_batch=opts.n_batch, n_ubatch=opts.n_ubatch,
             n_seq_max=opts.n_seq_max, n_threads=threads, n_threads_batch=opts.n_threads_batch or threads,
-            kv_unified=opts.kv_unified, flash_attn=opts.flash_attn, callback=callback)
+            kv_unified=opts.kv_unified, flash_attn=opts.flash_attn, kv_type=opts.kv_type, callback=callback)
         self.n_ctx = self.handle.n_ctx
         self.n_batch = opts.n_batch
         self.batch = N.Batch(opts.n_batch)

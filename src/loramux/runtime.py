@@ -69,7 +69,7 @@ class Engine:
 
     def __init__(self, model: Model, *, n_ctx: int = 4096, n_parallel: int = 1, n_batch: int = 512,
                  n_threads: int | None = None, flash_attn: bool = False, kv_unified: bool = False,
-                 slots: int = 0, slot_rank: int = 16, deterministic: bool = False) -> None:
+                 slots: int = 0, slot_rank: int = 16, deterministic: bool = False, kv_type: str = "f16") -> None:
         if n_parallel < 1:
             raise ParameterError("n_parallel", "must be ≥ 1")
         if slots < 0:
@@ -89,9 +89,9 @@ class Engine:
         self._ctx_opts = ContextOptions(n_ctx=n_ctx * n_parallel if unified or n_parallel > 1 else n_ctx,
                                         n_batch=n_batch, n_ubatch=n_batch if self.bank else min(n_batch, 512),
                                         n_seq_max=n_parallel, n_threads=n_threads, kv_unified=unified,
-                                        flash_attn=flash_attn)
+                                        flash_attn=flash_attn, kv_type=kv_type)
         self._eval_opts = ContextOptions(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=min(n_batch, 512),
-                                         n_seq_max=1, n_threads=n_threads, flash_attn=flash_attn)
+                                         n_seq_max=1, n_threads=n_threads, flash_attn=flash_attn, kv_type=kv_type)
         self.n_ctx = n_ctx
         self.ctx = Context(model, self._ctx_opts, callback=self.bank.callback if self.bank else None)
         self.scheduler = Scheduler(model, self.ctx, n_parallel, self.bank, deterministic)
@@ -110,7 +110,7 @@ class Engine:
              n_ctx: int = 4096, n_parallel: int = 1, n_batch: int = 512, n_threads: int | None = None,
              n_gpu_layers: int = 0, use_mmap: bool = True, use_mlock: bool = False, flash_attn: bool = False,
              kv_unified: bool = False, slots: int = 0, slot_rank: int = 16, deterministic: bool = False,
-             **source_options: Any) -> Engine:
+             kv_type: str = "f16", **source_options: Any) -> Engine:
         """Load a base model (default: the embedded Gemma 3 270M) and apply `loras` in list order.
 
         With `slots=K`, a slot bank of K adapters of rank ≤ `slot_rank` lets requests on different
@@ -128,7 +128,7 @@ class Engine:
         try:
             eng = cls(m, n_ctx=n_ctx, n_parallel=n_parallel, n_batch=n_batch, n_threads=n_threads,
                       flash_attn=flash_attn, kv_unified=kv_unified, slots=slots, slot_rank=slot_rank,
-                      deterministic=deterministic)
+                      deterministic=deterministic, kv_type=kv_type)
         except BaseException:
             m.close()
             raise
