@@ -1,0 +1,208 @@
+"""Shared helpers for the benchmark scripts: peers, test adapters, timing, tables.
+
+Nothing here is part of the loramux package: these scripts measure it. Every table a script
+prints holds ratios measured side by side in one run (the machines are noisy and shared, so
+absolute numbers from different runs must not be compared; medians over repeats are reported).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+#: The seven projection weights of a transformer block that LoRA adapters usually target.
+PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+PEER_TOOLS = ("llama-bench", "llama-server", "llama-export-lora", "llama-cvector-generator")
+
+
+class PeerMissing(SystemExit):
+    """A llama.cpp peer binary is not built; the message says how to build it."""
+
+
+def peers_dir() -> Path:
+    """Where build_peers.sh puts the sdist and the build: $LORAMUX_PEERS, else <repo>/peers."""
+    env = os.environ.get("LORAMUX_PEERS")
+    return Path(env).expanduser() if env else REPO_ROOT / "peers"
+
+
+def peer_binary(name: str) -> Path:
+    """Path of a llama.cpp tool built by benchmarks/build_peers.sh; exits with build advice if absent."""
+    path = peers_dir() / "build" / "bin" / name
+    if not (path.is_file() and os.access(path, os.X_OK)):
+        raise PeerMissing(
+            f"error: {name} not found at {path}.\n"
+            "Build llama.cpp's tools from the binding's vendored source first (about 10 minutes on 2 cores):\n"
+            "    benchmarks/build_peers.sh            # into ./peers (or set LORAMUX_PEERS=/some/dir)\n"
+            "or skip this peer with the script's --no-... option.")
+    return path
+
+
+def machine_info(threads: int) -> dict[str, Any]:
+    """What the numbers were measured on (the tables are only meaningful with this next to them)."""
+    cpu = platform.processor() or ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        n_cpu = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - non-Linux
+        n_cpu = os.cpu_count() or 0
+    load = os.getloadavg() if hasattr(os, "getloadavg") else (0.0, 0.0, 0.0)
+    from loramux import _native as N
+
+    return {"cpu": cpu, "cores": n_cpu, "threads": threads, "loadavg": [round(x, 2) for x in load],
+            "python": platform.python_version(), "llama_cpp_python": N.binding_version(),
+            "system_info": N.system_info().strip()}
+
+
+def print_machine(info: Mapping[str, Any]) -> None:
+    print(f"machine: {info['cpu']}, {info['cores']} cores usable, {info['threads']} threads used, "
+          f"load average {info['loadavg']} at start; llama-cpp-python {info['llama_cpp_python']}")
+    print(f"ggml: {info['system_info']}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Test adapters
+# ----------------------------------------------------------------------------------------------
+
+def projection_shapes(model_path: str | os.PathLike[str]) -> dict[str, tuple[int, int]]:
+    """numpy (out, in) shapes of every block's 7 projection weights, in block order."""
+    from loramux.gguf_io import read_header
+
+    tensors = read_header(model_path).tensors
+    shapes: dict[str, tuple[int, int]] = {}
+    block = 0
+    while f"blk.{block}.attn_q.weight" in tensors:
+        for proj in PROJECTIONS:
+            name = f"blk.{block}.{proj}.weight"
+            if name in tensors:
+                out_dim, in_dim = tensors[name].shape
+                shapes[name] = (int(out_dim), int(in_dim))
+        block += 1
+    if not shapes:
+        raise SystemExit(f"error: {model_path} has no blk.N.attn_q.weight tensors; not a transformer GGUF?")
+    return shapes
+
+
+def random_factors(shapes: Mapping[str, tuple[int, int]], rank: int, seed: int,
+                   std: float = 0.02) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Small random float32 factors A (r, in), B (out, r) for every projection."""
+    rng = np.random.default_rng(seed)
+    return {name: ((rng.standard_normal((rank, i)) * std).astype(np.float32),
+                   (rng.standard_normal((o, rank)) * std).astype(np.float32))
+            for name, (o, i) in shapes.items()}
+
+
+def write_random_adapter(path: Path, architecture: str, shapes: Mapping[str, tuple[int, int]],
+                         rank: int, seed: int) -> Path:
+    """An F32 adapter over every projection with alpha == rank (so llama.cpp's alpha/rank is 1)."""
+    from loramux.gguf_io import write_adapter
+
+    return write_adapter(path, architecture, random_factors(shapes, rank, seed), float(rank), dtype="f32")
+
+
+def concat_stages(stages: Sequence[Mapping[str, tuple[np.ndarray, np.ndarray]]]
+                  ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Rank-concatenate several adapters' factors: one adapter equal to their sum (same alpha/rank)."""
+    return {name: (np.concatenate([s[name][0] for s in stages], axis=0),
+                   np.concatenate([s[name][1] for s in stages], axis=1))
+            for name in stages[0]}
+
+
+# ----------------------------------------------------------------------------------------------
+# Timing and statistics
+# ----------------------------------------------------------------------------------------------
+
+def timed(fn: Callable[[], Any]) -> float:
+    """Seconds one call of `fn` took (perf_counter)."""
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def median(xs: Iterable[float]) -> float:
+    vals = [x for x in xs if x == x]  # drop NaN
+    return statistics.median(vals) if vals else float("nan")
+
+
+def quartiles(xs: Iterable[float]) -> tuple[float, float]:
+    """(25th, 75th) percentile, to show how noisy a median is."""
+    vals = [x for x in xs if x == x]
+    if not vals:
+        return float("nan"), float("nan")
+    q = np.percentile(vals, [25, 75])
+    return float(q[0]), float(q[1])
+
+
+def ratio(a: float, b: float) -> float:
+    return a / b if b and b == b and a == a else float("nan")
+
+
+def fmt(x: float | None, digits: int = 1, suffix: str = "") -> str:
+    if x is None or x != x:
+        return "–"
+    return f"{x:.{digits}f}{suffix}"
+
+
+def fmt_pct(x: float | None) -> str:
+    if x is None or x != x:
+        return "–"
+    return f"{x * 100:+.1f} %"
+
+
+def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
+    """A GitHub-markdown table (pastes straight into BENCHMARKS.md)."""
+    widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) for i, h in enumerate(headers)]
+    print(f"\n{title}\n")
+    print("| " + " | ".join(str(h).ljust(w) for h, w in zip(headers, widths)) + " |")
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for r in rows:
+        print("| " + " | ".join(str(c).ljust(w) for c, w in zip(r, widths)) + " |")
+    sys.stdout.flush()
+
+
+def common_args(parser: argparse.ArgumentParser, repeats: int) -> None:
+    """Options every benchmark takes."""
+    parser.add_argument("--model", default=None,
+                        help="base GGUF (default: loramux's embedded Gemma 3 270M Q4_K_M)")
+    parser.add_argument("--threads", type=int, default=2, help="CPU threads for every system (default 2)")
+    parser.add_argument("--repeats", type=int, default=repeats,
+                        help=f"measurements per cell; medians are reported (default {repeats})")
+    parser.add_argument("--work-dir", default=None,
+                        help="where to write the test adapters (default: a temporary directory)")
+    parser.add_argument("--json", default=None, help="also write every raw measurement to this JSON file")
+
+
+def model_path(arg: str | None) -> Path:
+    from loramux.config import default_model_path
+
+    return Path(arg).expanduser() if arg else default_model_path()
+
+
+def dump_json(path: str | None, payload: Mapping[str, Any]) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(payload, indent=1, default=float))
+        print(f"\nraw measurements written to {path}")
+
+
+def progress(iterable: Iterable[Any], desc: str, total: int | None = None) -> Iterable[Any]:
+    """tqdm on stderr (keeps stdout a clean table)."""
+    from tqdm import tqdm
+
+    return tqdm(iterable, desc=desc, total=total, file=sys.stderr, leave=False, dynamic_ncols=True)
