@@ -180,8 +180,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.WARNING),
-                        format="%(levelname)s %(name)s: %(message)s")
+    level = getattr(logging, str(args.log_level).upper(), logging.WARNING)
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    if level >= logging.WARNING:
+        # llama.cpp warns about model quirks at every load (e.g. token types); show only its errors
+        # unless the user asked for more with --log-level.
+        logging.getLogger("loramux.llama").setLevel(logging.ERROR)
     if not getattr(args, "func", None):
         parser.print_help()
         return 1
