@@ -94,6 +94,8 @@ _ggml.ggml_backend_tensor_get.restype = None
 for _fn in (_ggml.ggml_backend_tensor_set_2d, _ggml.ggml_backend_tensor_get_2d):
     _fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_size_t] * 5
     _fn.restype = None
+_ggml.ggml_backend_buffer_is_host.argtypes = [ctypes.c_void_p]
+_ggml.ggml_backend_buffer_is_host.restype = ctypes.c_bool
 _ggml.ggml_nbytes.argtypes = [ctypes.c_void_p]
 _ggml.ggml_nbytes.restype = ctypes.c_size_t
 _ggml.ggml_get_name.argtypes = [ctypes.c_void_p]
@@ -159,6 +161,15 @@ def tensor_name(ptr: int) -> str:
 
 def tensor_nbytes(ptr: int) -> int:
     return int(_ggml.ggml_nbytes(ptr))
+
+
+def host_f32_view(ptr: int, shape: tuple[int, int]) -> np.ndarray | None:
+    """A numpy view of a contiguous F32 tensor that lives in host memory (None elsewhere, e.g. on a GPU)."""
+    t = GgmlTensor.from_address(ptr)
+    if not t.data or not t.buffer or t.type != 0 or not _ggml.ggml_backend_buffer_is_host(t.buffer):
+        return None
+    n = shape[0] * shape[1]
+    return np.ctypeslib.as_array((ctypes.c_float * n).from_address(t.data)).reshape(shape)
 
 
 def tensor_set(ptr: int, data: np.ndarray, offset: int = 0) -> None:

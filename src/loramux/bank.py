@@ -225,9 +225,13 @@ class SlotBank:
             plan.problems.append(f"node with {n_tok} tokens matches neither {full.shape[0]} nor {out.shape[0]}")
             plan.masked += 1
             return True
-        data = N.tensor_get(t, np.empty((n_tok, self.width), np.float32))
-        data *= mask
-        N.tensor_set(t, data)
+        view = N.host_f32_view(t, (n_tok, self.width))
+        if view is not None:
+            view *= mask  # CPU: scale the node's output where it lies, no copies
+        else:
+            data = N.tensor_get(t, np.empty((n_tok, self.width), np.float32))
+            data *= mask
+            N.tensor_set(t, data)
         plan.masked += 1
         return True
 
