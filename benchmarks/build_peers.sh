@@ -38,11 +38,13 @@ if all_built; then
     exit 0
 fi
 
-# 1. The binding's sdist carries the exact llama.cpp tree it was built from.
+# 1. The binding's sdist carries the exact llama.cpp tree it was built from.  Only the binding is
+# forced to source: `--no-binary :all:` would also build pip's metadata backend deps from source
+# (minutes, for nothing).
 if [[ ! -f "${src}/CMakeLists.txt" ]]; then
     echo "fetching ${SDIST_NAME} sdist into ${peers}"
     python="${PYTHON:-python3}"
-    "${python}" -m pip download --no-deps --no-binary :all: \
+    "${python}" -m pip download --no-deps --no-binary llama-cpp-python \
         "llama-cpp-python==${BINDING_VERSION}" -d "${peers}"
     archive="$(ls "${peers}"/llama_cpp_python-"${BINDING_VERSION}".tar.gz 2>/dev/null || true)"
     if [[ -z "${archive}" ]]; then

@@ -3,7 +3,8 @@
     python benchmarks/decode.py [--repeats 7] [--ranks 2,16,64] [--threads 2] [--no-server] ...
 
 For no adapter and for random F32 adapters of each rank over all 7 projections of every block,
-it measures, side by side in one run (systems interleaved, order rotated every round):
+it measures, side by side in one run (every adapter row and system once per round, in a
+rotated order):
 
 - pp: prompt processing of a random `--n-prompt`-token prompt (BOS + random ids), tok/s;
 - tg: greedy decode of `--n-gen` tokens after a one-token (BOS) prompt, EOS ignored, tok/s.
@@ -13,20 +14,21 @@ Systems (same threads, n_ctx, n_batch, flash attention off unless --flash-attn):
 - loramux: `Engine.submit` (the path under `Engine.generate`), consumed by a caller thread as
   `generate` does. Timed on the engine thread: pp = request queued → first token sampled,
   tg = first token sampled → last token sampled (n_gen decodes + samples + text assembly);
-- Llama: llama-cpp-python's high-level class (`lora_path` for its one adapter). pp = `generate`
-  until the first token; tg = the next n_gen tokens of `generate`, each detokenized;
+- Llama: llama-cpp-python's high-level class, one instance per adapter row (`lora_path` for its
+  one adapter). pp = `generate` until the first token; tg = the next n_gen tokens, each detokenized;
 - llama-bench (same vendored llama.cpp): `-p N -n N -r 1`, once per round. It has no LoRA options
   in this version, so it only has the no-adapter row;
-- llama-server (same source, `--lora FILE` per adapter row): its own `timings` of a /completion
-  request, so llama.cpp's own adapter overhead is measured too.
+- llama-server (same source; every adapter loaded with `--lora-init-without-apply`, one chosen per
+  request through the `lora` field): its own `timings` of a /completion request, so llama.cpp's own
+  adapter overhead is measured too.
 
 Every system runs in a process of its own (loramux and Llama in worker processes of this script),
 so each has one OpenMP team and the same libgomp spin-wait behaviour: two teams in one process
 make libgomp throttle its spinning, which on a loaded machine changes speed several-fold.
 `--gomp-spincount N` exports GOMP_SPINCOUNT=N to every system (useful on a busy machine).
 
-Medians over `--repeats` rounds; adapter overhead = extra time per token vs the same system's
-no-adapter row.
+tok/s are medians over `--repeats` rounds; ratios and adapter overheads (extra time per token vs
+the same system's no-adapter row) are medians of per-round ratios, robust to drifting load.
 """
 
 from __future__ import annotations
@@ -405,12 +407,15 @@ def profile_loramux(model: Path, args: argparse.Namespace) -> None:
         for cls, fn_name, orig in saved:
             setattr(cls, fn_name, orig)
     n_tok = (args.n_gen + 1) * n_runs  # +1: the BOS prompt decode of each run
-    per_tok_ms = 1000 / C.median(tg)
-    rows = [[label, str(int(n)), C.fmt(1e6 * total / n_tok, 1), C.fmt(100 * 1e3 * total / n_tok / per_tok_ms, 1)]
+    step = acc["Scheduler.step (total)"][0]
+    rows = [[label, str(int(n)), C.fmt(1e6 * total / n_tok, 1), C.fmt(100 * total / step, 1)]
             for label, (total, n) in acc.items()]
+    rows.append(["step minus llama_decode (Python + sampler)", "",
+                 C.fmt(1e6 * (step - acc["llama_decode (native compute)"][0]) / n_tok, 1),
+                 C.fmt(100 * (1 - acc["llama_decode (native compute)"][0] / step), 1)])
     C.print_table(f"loramux decode, time per generated token by function (no adapter; {n_runs} runs of "
-                  f"tg{args.n_gen} with timers, median {per_tok_ms:.2f} ms/token incl. timer overhead)",
-                  ["function", "calls", "µs / token", "% of token"], rows)
+                  f"tg{args.n_gen} with timers: {C.median(tg):.1f} tok/s incl. timer overhead)",
+                  ["function", "calls", "µs / token", "% of Scheduler.step"], rows)
     prof = cProfile.Profile()
     runner.eng.call(prof.enable)  # cProfile hooks the thread that enables it: the engine thread
     for _ in range(n_runs):
@@ -535,6 +540,9 @@ def main(argv: list[str] | None = None) -> int:
         return worker_main(args)
     if args.gomp_spincount is not None:
         os.environ["GOMP_SPINCOUNT"] = str(args.gomp_spincount)  # inherited by every system's process
+    for flag, tool in ((args.no_bench, "llama-bench"), (args.no_server, "llama-server")):
+        if not flag:
+            C.peer_binary(tool)  # fail before anything starts, with build advice
     model = C.model_path(args.model)
     info = C.machine_info(args.threads)
     info["GOMP_SPINCOUNT"] = os.environ.get("GOMP_SPINCOUNT", "default")
