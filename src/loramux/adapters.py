@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from . import _native as N
-from .errors import BackendError, FactorError
+from .errors import AdapterError, BackendError, FactorError
 from .gguf_io import (
     LORA_A,
     LORA_B,
@@ -87,7 +87,13 @@ class LoRAAdapter:
     def __init__(self, model: Model, path: str | os.PathLike[str], name: str,
                  run: Callable[[Callable[[], Any]], Any] | None = None, *, source: str | None = None,
                  info: AdapterFileInfo | None = None) -> None:
-        self.info = info or validate_adapter(path, model.architecture, model.tensor_shapes, check_values=True)
+        self.info = info or validate_adapter(path, model.architecture, model.tensor_shapes)
+        # Read the factors once: for the NaN/Inf check now and the discovery self-check below.
+        file_factors = read_adapter_factors(path)
+        bad = [t for t, (a, b) in file_factors.items() if not (np.isfinite(a).all() and np.isfinite(b).all())]
+        if bad:
+            raise AdapterError(str(path), "cannot be used",
+                               problems=[f"{len(bad)} factor pairs contain NaN or Inf, e.g. {', '.join(bad[:3])}"])
         self.model = model
         self.name = name
         self.path = Path(path)
@@ -102,7 +108,7 @@ class LoRAAdapter:
         try:
             tokens = self.handle.alora_invocation_tokens()
             self.invocation_tokens: tuple[int, ...] = tuple(tokens) or self.info.invocation_tokens
-            self._discover()
+            self._discover(file_factors)
         except BaseException:
             self.handle.close()
             raise
@@ -140,7 +146,7 @@ class LoRAAdapter:
         return f"LoRAAdapter({self.name!r}, rank={self.rank}, alpha={self.alpha}, targets={len(self.targets)})"
 
     # -- discovery ---------------------------------------------------------------------------
-    def _discover(self) -> None:
+    def _discover(self, file_factors: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:
         found: dict[str, int] = {}
 
         def cb(t: int, ask: bool) -> bool:
@@ -161,16 +167,16 @@ class LoRAAdapter:
             ctx.prefill(0, [self.model.handle.bos if self.model.handle.bos >= 0 else 0])
         finally:
             ctx.close()
-        self._factors = self._check_discovered(found)
+        self._factors = self._check_discovered(found, file_factors)
 
-    def _check_discovered(self, found: dict[str, int]) -> dict[str, _Factor]:
+    def _check_discovered(self, found: dict[str, int],
+                          file_factors: dict[str, tuple[np.ndarray, np.ndarray]]) -> dict[str, _Factor]:
         problems = []
         want = {t + s for t in self.targets for s in (LORA_A, LORA_B)}
         missing = sorted(want - set(found))
         if missing:
             problems.append(f"{len(missing)} factor tensors not found in the compute graph, e.g. {missing[:3]}")
         factors: dict[str, _Factor] = {}
-        file_factors = read_adapter_factors(self.path) if not missing else {}
         for t in self.targets if not missing else ():
             a, b = found[t + LORA_A], found[t + LORA_B]
             va, vb = N.tensor_view(a), N.tensor_view(b)
