@@ -95,6 +95,16 @@ def test_greedy_is_deterministic_and_stream_equals_generate(engine, tiny_dir):
     assert sampled[0] == sampled[1]
 
 
+def test_greedy_fast_path_equals_llama_cpp_greedy_sampler(engine, tiny_dir):
+    # plain greedy reads the argmax in place; a no-op penalty (last_n=0) forces llama.cpp's sampler chain
+    engine.set_lora(tiny_dir / "a.gguf", scale=0.5)
+    fast = engine.generate(PROMPT, max_tokens=24, ignore_eos=True)
+    chain = engine.generate(PROMPT, max_tokens=24, ignore_eos=True, repeat_penalty=1.5, repeat_last_n=0)
+    assert fast.tokens == chain.tokens and len(fast.tokens) == 24
+    batch = engine.generate_many([PROMPT, PROMPT + " again"], max_tokens=12, ignore_eos=True)
+    assert batch[0].tokens == fast.tokens[:12]
+
+
 def test_stop_strings_never_leak(engine):
     full = engine.generate(PROMPT, max_tokens=30).text
     assert len(full) > 6

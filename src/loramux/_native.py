@@ -441,6 +441,18 @@ class ContextHandle(_Handle):
             raise BackendError("llama_get_logits_ith", None, f"no logits for row {i}")
         return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
 
+    def argmax(self, i: int) -> int:
+        """Greedy token of output row `i`, read in place (no copy, no sampler chain).
+
+        Same choice as llama.cpp's greedy sampler: the first index of the maximum logit. The
+        sampler builds a candidate array over the whole vocabulary on every token; on a 262k-token
+        vocabulary that is the largest per-token cost outside the graph.
+        """
+        ptr = C.llama_get_logits_ith(self.ptr, i)
+        if not ptr:
+            raise BackendError("llama_get_logits_ith", None, f"no logits for row {i}")
+        return int(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).argmax())
+
     def set_adapters(self, adapters: Sequence[AdapterHandle], scales: Sequence[float]) -> None:
         """Set the context's adapter set (llama.cpp re-reserves the graph on the next decode)."""
         key = tuple((int(ctypes.cast(a.ptr, ctypes.c_void_p).value or 0), float(s))

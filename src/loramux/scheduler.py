@@ -190,7 +190,8 @@ class Scheduler:
                 self.ctx.handle.memory_seq_rm(seq, -1, -1)
                 keep = 0
             r.seq, r.n_past = seq, keep
-            r.sampler = N.SamplerHandle.chain(self.model.handle, **_sampler_args(r.params))
+            if not _is_plain_greedy(r.params):  # plain greedy reads the argmax directly (see _sample)
+                r.sampler = N.SamplerHandle.chain(self.model.handle, **_sampler_args(r.params))
             r.text = TextAssembler(r.params.stop)
             self.slots[seq] = r
             self.stats["prompt_tokens"] += len(r.prompt)
@@ -294,9 +295,12 @@ class Scheduler:
             self.applied_cvec = phase.cvec
 
     def _sample(self, r: Request, idx: int) -> None:
-        assert r.sampler is not None and r.text is not None
-        tok = r.sampler.sample(self.ctx.handle, idx)
-        r.sampler.accept(tok)
+        assert r.text is not None
+        if r.sampler is None:
+            tok = self.ctx.handle.argmax(idx)
+        else:
+            tok = r.sampler.sample(self.ctx.handle, idx)
+            r.sampler.accept(tok)
         if r.first_token_at is None:
             r.first_token_at = time.monotonic()
         if self.model.is_eog(tok) and not r.params.ignore_eos:
@@ -366,6 +370,12 @@ def _phase_end(r: Request) -> int:
         if ph.start > r.n_past:
             return ph.start
     return len(r.prompt)
+
+
+def _is_plain_greedy(p: SamplingParams) -> bool:
+    """Greedy with no penalties: the sampler chain would only pick the argmax."""
+    return (p.temperature <= 0 and p.repeat_penalty == 1.0
+            and not p.frequency_penalty and not p.presence_penalty)
 
 
 def _sampler_args(p: SamplingParams) -> dict[str, Any]:
