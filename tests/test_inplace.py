@@ -11,11 +11,20 @@ from conftest import PROMPT, max_diff
 from tinymodel import random_factors, write_tiny_lora
 
 import loramux as lm
+from loramux import factor_stage
 from loramux.model import Context, ContextOptions
 
 
+@pytest.fixture(params=["mirror", "direct"])
+def write_path(request, monkeypatch):
+    """Small adapters are written through a staging mirror, large ones tensor by tensor: test both."""
+    if request.param == "direct":
+        monkeypatch.setattr(factor_stage, "MIRROR_MAX_BYTES", 0)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
-def test_write_in_place_equals_fresh_load(tiny_model, tmp_path, dtype):
+def test_write_in_place_equals_fresh_load(tiny_model, tmp_path, dtype, write_path):
     src = tmp_path / "src"
     src.mkdir()
     write_tiny_lora(src / "x.gguf", seed=11, dtype=dtype)
@@ -74,7 +83,7 @@ def test_write_mid_sequence_keeps_kv(engine, tiny_dir, tmp_path):
 
 
 @pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
-def test_get_factors_returns_what_was_written(engine, tmp_path, dtype):
+def test_get_factors_returns_what_was_written(engine, tmp_path, dtype, write_path):
     write_tiny_lora(tmp_path / "x.gguf", seed=3, dtype=dtype)
     a = engine.load_lora(tmp_path / "x.gguf")
     assert a.factor_names()[0] == "blk.0.attn_q.weight" and a.n_factors == 14
@@ -105,7 +114,7 @@ def test_save_then_reload_is_identical(engine, tiny_model, tmp_path):
         assert max_diff(e2.logits(PROMPT), live) == 0.0
 
 
-def test_bad_writes_are_refused_and_change_nothing(engine, tiny_dir):
+def test_bad_writes_are_refused_and_change_nothing(engine, tiny_dir, write_path):
     a = engine.set_lora(tiny_dir / "a.gguf")
     before = engine.logits(PROMPT)
     name = a.factor_names()[0]
@@ -124,6 +133,91 @@ def test_bad_writes_are_refused_and_change_nothing(engine, tiny_dir):
     assert "rank is fixed" in str(pytest.raises(lm.FactorError, a.set_factors, name, *cases["rank"][name]).value)
     assert max_diff(engine.logits(PROMPT), before) == 0.0
     assert a.version == 0
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
+def test_refused_update_leaves_no_trace_in_later_writes(engine, tmp_path, dtype, write_path):
+    # writes go through a staging mirror: a refused update must not survive in it and be
+    # published by a later partial (one tensor) or full (whole-buffer copy) write
+    write_tiny_lora(tmp_path / "x.gguf", seed=7, dtype=dtype)
+    a = engine.load_lora(tmp_path / "x.gguf")
+    orig = a.all_factors()
+    names = a.factor_names()
+    poisoned = {n: (A + 1, B + 1) for n, (A, B) in orig.items()}
+    poisoned[names[-1]] = (orig[names[-1]][0] * np.nan, orig[names[-1]][1])
+    with pytest.raises(lm.FactorError, match="NaN"):
+        a.set_factors_multi(poisoned)
+    assert a.version == 0
+    assert all(np.array_equal(x, y) for n in names for x, y in zip(a.all_factors()[n], orig[n]))
+    a.set_factors(names[0], orig[names[0]][0] * 2, orig[names[0]][1] * 2)  # exact in every dtype
+    live = a.all_factors()
+    assert np.array_equal(live[names[0]][0], orig[names[0]][0] * 2)
+    assert all(np.array_equal(x, y) for n in names[1:] for x, y in zip(live[n], orig[n]))
+    halves = {n: (A / 2, B / 2) for n, (A, B) in orig.items()}
+    a.set_factors_multi(halves)
+    assert all(np.array_equal(x, y) for n in names for x, y in zip(a.all_factors()[n], halves[n]))
+    assert a.version == 2
+
+
+def test_inputs_of_other_float_types_are_converted(engine, tmp_path, write_path):
+    torch = pytest.importorskip("torch")
+    write_tiny_lora(tmp_path / "x.gguf", seed=9)
+    a = engine.load_lora(tmp_path / "x.gguf")
+    name = a.factor_names()[0]
+    A, B = random_factors(rank=2, seed=10)[name]
+    a.set_factors(name, A.astype(np.float64), torch.from_numpy(B).to(torch.bfloat16))
+    ga, gb = a.get_factors(name)
+    assert np.array_equal(ga, A) and np.array_equal(gb, torch.from_numpy(B).to(torch.bfloat16).float().numpy())
+    with pytest.raises(lm.FactorError, match="NaN or Inf"):  # finite in float64, Inf once stored as F32
+        a.set_factors(name, A.astype(np.float64) * 1e300, B)
+    with pytest.raises(lm.FactorError, match="floating point"):
+        a.set_factors(name, A.astype(np.int32), B)
+    assert np.array_equal(a.get_factors(name)[0], A)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+def test_edit_views_equal_a_fresh_load(tiny_model, tmp_path, dtype, write_path):
+    write_tiny_lora(tmp_path / "x.gguf", seed=13, dtype=dtype)
+    new = random_factors(rank=2, seed=14)
+    with lm.Engine.load(tiny_model, n_ctx=256, n_threads=2, loras=[str(tmp_path / "x.gguf")]) as eng:
+        a = eng.adapter("x")
+        a.set_factors_multi({n: (A * 3, B * 3) for n, (A, B) in new.items()})  # the views must see this
+        with a.edit() as f:
+            assert set(f) == set(a.factor_names())
+            for n, (A, B) in f.items():
+                assert np.array_equal(A.astype(np.float32), new[n][0] * 3 if dtype == "f32"
+                                      else (new[n][0] * 3).astype(np.float16).astype(np.float32))
+                A[...] = new[n][0]
+                B[...] = new[n][1]
+        assert a.version == 2
+        edited = eng.logits(PROMPT)
+    write_tiny_lora(tmp_path / "fresh.gguf", seed=14, dtype=dtype)
+    with lm.Engine.load(tiny_model, n_ctx=256, n_threads=2, loras=[str(tmp_path / "fresh.gguf")]) as fresh:
+        assert max_diff(edited, fresh.logits(PROMPT)) == 0.0
+
+
+def test_edit_is_all_or_nothing(engine, tiny_dir, tmp_path):
+    a = engine.set_lora(tiny_dir / "a.gguf")
+    before, orig = engine.logits(PROMPT), a.all_factors()
+    names = a.factor_names()
+    with pytest.raises(lm.FactorError, match="NaN") as ei:
+        with a.edit() as f:
+            for A, B in f.values():
+                A *= 2
+            f[names[3]][1][0, 0] = np.inf
+    assert names[3] in str(ei.value)
+    with pytest.raises(KeyError):
+        with a.edit() as f:
+            f[names[0]][0][...] = 0
+            f["no.such.weight"]
+    assert a.version == 0 and max_diff(engine.logits(PROMPT), before) == 0.0
+    with a.edit() as f:  # nothing of the discarded edits is left in the staging copy
+        assert all(np.array_equal(f[n][0], orig[n][0]) and np.array_equal(f[n][1], orig[n][1]) for n in names)
+    write_tiny_lora(tmp_path / "b16.gguf", seed=2, dtype="bf16")
+    b16 = engine.load_lora(tmp_path / "b16.gguf")
+    with pytest.raises(lm.FactorError, match="F32 or F16"):
+        with b16.edit():
+            pass
 
 
 def test_writes_from_another_thread_are_serialized_with_generation(engine, tiny_dir):

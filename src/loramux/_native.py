@@ -96,6 +96,8 @@ for _fn in (_ggml.ggml_backend_tensor_set_2d, _ggml.ggml_backend_tensor_get_2d):
     _fn.restype = None
 _ggml.ggml_backend_buffer_is_host.argtypes = [ctypes.c_void_p]
 _ggml.ggml_backend_buffer_is_host.restype = ctypes.c_bool
+_ggml.ggml_backend_buffer_get_alignment.argtypes = [ctypes.c_void_p]
+_ggml.ggml_backend_buffer_get_alignment.restype = ctypes.c_size_t
 _ggml.ggml_nbytes.argtypes = [ctypes.c_void_p]
 _ggml.ggml_nbytes.restype = ctypes.c_size_t
 _ggml.ggml_get_name.argtypes = [ctypes.c_void_p]
@@ -170,6 +172,28 @@ def host_f32_view(ptr: int, shape: tuple[int, int]) -> np.ndarray | None:
         return None
     n = shape[0] * shape[1]
     return np.ctypeslib.as_array((ctypes.c_float * n).from_address(t.data)).reshape(shape)
+
+
+def tensor_host_address(ptr: int) -> tuple[int, int] | None:
+    """(data address, buffer) of a tensor in host memory; None on a device (GPU) buffer."""
+    t = GgmlTensor.from_address(ptr)
+    if not t.data or not t.buffer or not _ggml.ggml_backend_buffer_is_host(t.buffer):
+        return None
+    return int(t.data), int(t.buffer)
+
+
+def buffer_alignment(buffer: int) -> int:
+    return int(_ggml.ggml_backend_buffer_get_alignment(buffer))
+
+
+def host_bytes(address: int, nbytes: int) -> np.ndarray:
+    """A writable uint8 view of `nbytes` of host memory at `address` (valid while its owner lives)."""
+    return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(address))
+
+
+def tensor_set_raw(ptr: int, address: int, nbytes: int) -> None:
+    """ggml_backend_tensor_set from a pre-computed host address (no numpy attribute lookups)."""
+    _ggml.ggml_backend_tensor_set(ptr, address, 0, nbytes)
 
 
 def tensor_set(ptr: int, data: np.ndarray, offset: int = 0) -> None:

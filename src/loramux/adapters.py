@@ -8,11 +8,11 @@ them directly with `ggml_backend_tensor_set/get`: no re-parse, no re-allocation,
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import threading
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ import numpy as np
 
 from . import _native as N
 from .errors import AdapterError, BackendError, FactorError
+from .factor_stage import BF16, STORE, FactorStage, FactorTensors, from_bf16_bits
 from .gguf_io import (
     LORA_A,
     LORA_B,
@@ -32,49 +33,11 @@ from .gguf_io import (
 from .model import Context, ContextOptions, Model
 
 _uid = itertools.count(1)
-_NP = {0: np.float32, 1: np.float16}
 _TYPE_NAME = {0: "F32", 1: "F16", 30: "BF16"}
 
 
-@dataclass
-class _Factor:
-    a: int  # ggml_tensor* of lora_a
-    b: int
-    type: int  # ggml type id of both
-    a_shape: tuple[int, int]  # numpy (r, in)
-    b_shape: tuple[int, int]  # numpy (out, r)
-
-
-def _to_bf16_bits(x: np.ndarray) -> np.ndarray:
-    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
-
-
-def _from_bf16_bits(u: np.ndarray) -> np.ndarray:
-    return (u.astype(np.uint32) << 16).view(np.float32)
-
-
-def _encode(x: np.ndarray, ggml_type: int) -> np.ndarray:
-    """An array in the tensor's own storage format (what tensor_set copies)."""
-    if ggml_type == 30:
-        return _to_bf16_bits(x)
-    return np.ascontiguousarray(x, dtype=_NP[ggml_type])
-
-
 def _decode(raw: np.ndarray, ggml_type: int) -> np.ndarray:
-    return _from_bf16_bits(raw) if ggml_type == 30 else raw.astype(np.float32)
-
-
-def _as_float(x: Any) -> np.ndarray:
-    """Accept float32/float16/bfloat16 (torch or ml_dtypes) arrays; return float32."""
-    if hasattr(x, "detach"):  # torch tensor: bf16 has no numpy dtype, go through float32
-        x = x.detach().float().cpu().numpy()
-    arr = np.asarray(x)
-    if arr.dtype.name == "bfloat16":
-        arr = arr.astype(np.float32)
-    if arr.dtype.kind != "f":
-        raise TypeError(f"factors must be floating point, got {arr.dtype}")
-    return arr.astype(np.float32, copy=False)
+    return from_bf16_bits(raw) if ggml_type == BF16 else raw.astype(np.float32)
 
 
 class LoRAAdapter:
@@ -86,7 +49,8 @@ class LoRAAdapter:
 
     def __init__(self, model: Model, path: str | os.PathLike[str], name: str,
                  run: Callable[[Callable[[], Any]], Any] | None = None, *, source: str | None = None,
-                 info: AdapterFileInfo | None = None) -> None:
+                 info: AdapterFileInfo | None = None,
+                 write: Callable[[Callable[[], Any]], Any] | None = None) -> None:
         self.info = info or validate_adapter(path, model.architecture, model.tensor_shapes)
         # Read the factors once: for the NaN/Inf check now and the discovery self-check below.
         file_factors = read_adapter_factors(path)
@@ -101,8 +65,10 @@ class LoRAAdapter:
         self.uid = next(_uid)
         self.version = 0
         self._run = run or (lambda fn: fn())
+        self._write = write or self._run  # factor writes: between decodes, without a hop when idle
         self._lock = threading.RLock()
-        self._factors: dict[str, _Factor] | None = None
+        self._factors: dict[str, FactorTensors] | None = None
+        self._stage: FactorStage | None = None  # created by the first write
         self._sha: str | None = None
         self.handle = N.AdapterHandle.load(model.handle, str(self.path))
         try:
@@ -170,13 +136,13 @@ class LoRAAdapter:
         self._factors = self._check_discovered(found, file_factors)
 
     def _check_discovered(self, found: dict[str, int],
-                          file_factors: dict[str, tuple[np.ndarray, np.ndarray]]) -> dict[str, _Factor]:
+                          file_factors: dict[str, tuple[np.ndarray, np.ndarray]]) -> dict[str, FactorTensors]:
         problems = []
         want = {t + s for t in self.targets for s in (LORA_A, LORA_B)}
         missing = sorted(want - set(found))
         if missing:
             problems.append(f"{len(missing)} factor tensors not found in the compute graph, e.g. {missing[:3]}")
-        factors: dict[str, _Factor] = {}
+        factors: dict[str, FactorTensors] = {}
         for t in self.targets if not missing else ():
             a, b = found[t + LORA_A], found[t + LORA_B]
             va, vb = N.tensor_view(a), N.tensor_view(b)
@@ -191,7 +157,7 @@ class LoRAAdapter:
             if N.tensor_nbytes(a) != esize * a_shape[0] * a_shape[1] or N.tensor_nbytes(b) != esize * b_shape[0] * b_shape[1]:
                 problems.append(f"{t}: byte sizes differ from the shapes (ggml_tensor layout changed?)")
                 continue
-            f = _Factor(a, b, va.type, a_shape, b_shape)
+            f = FactorTensors(a, b, va.type, a_shape, b_shape)
             ra, rb = self._read(f)
             fa, fb = file_factors[t]
             if not (np.array_equal(ra, fa) and np.array_equal(rb, fb)):
@@ -205,8 +171,8 @@ class LoRAAdapter:
                                     f"pip install llama-cpp-python=={N.PINNED_VERSION}")
         return factors
 
-    def _read(self, f: _Factor) -> tuple[np.ndarray, np.ndarray]:
-        store = np.uint16 if f.type == 30 else _NP[f.type]
+    def _read(self, f: FactorTensors) -> tuple[np.ndarray, np.ndarray]:
+        store = STORE[f.type]
         ra = N.tensor_get(f.a, np.empty(f.a_shape, dtype=store))
         rb = N.tensor_get(f.b, np.empty(f.b_shape, dtype=store))
         return _decode(ra, f.type), _decode(rb, f.type)
@@ -230,45 +196,84 @@ class LoRAAdapter:
         self.set_factors_multi({name: (a, b)})
 
     def set_factors_multi(self, factors: Mapping[str, tuple[Any, Any]]) -> None:
-        """Write several factor pairs: all are validated first, then all are written (all-or-nothing)."""
-        encoded = self._validate(factors)
+        """Write several factor pairs: all are validated first, then all are written (all-or-nothing).
 
+        Arrays may be float32/float16/bfloat16 (numpy or torch); they are converted to the
+        tensors' own type. The write happens between decodes, is seen by every context at once
+        and bumps `version`. A refused update (unknown name, wrong shape or rank, NaN/Inf)
+        writes nothing.
+        """
+        stage = self._get_stage()
+        with stage.lock:
+            if not stage.use_mirror:
+                problems, jobs = stage.encode(factors)
+                self._refuse_if(problems)
+                self._commit(lambda: stage.write(jobs))
+                return
+            mirror = self._write(stage.mirror)  # reads the tensors only when a direct write made it stale
+            problems, touched = mirror.fill(factors)
+            bad = set(mirror.check(touched)) if not problems else set()
+            problems += [f"{n}: factors contain NaN or Inf (after conversion to {self.dtype})"
+                         for n in touched if n in bad]
+            if problems:
+                self._run(lambda: mirror.reload(touched))  # the mirror goes back to the live values
+            self._refuse_if(problems)
+            self._commit(lambda: mirror.commit(touched))
+
+    @contextlib.contextmanager
+    def edit(self) -> Iterator[dict[str, tuple[np.ndarray, np.ndarray]]]:
+        """Edit every factor in place through writable numpy views; the fastest way to update many.
+
+        ::
+
+            with adapter.edit() as f:            # name -> (A (r, in), B (out, r)) views
+                A, B = f["blk.0.attn_q.weight"]
+                np.add(A, 0.01 * dA, out=A)      # any numpy writes, in the tensor's dtype
+
+        The views start with the live values and belong to a staging copy: nothing reaches the
+        model until the block ends. Then every factor is checked for NaN/Inf and all are written
+        at once, between decodes, and `version` is bumped. An exception inside the block, or a
+        NaN/Inf, discards the whole edit. F32 and F16 adapters only (BF16: use set_factors_multi).
+        The views must not be used after the block.
+        """
+        if self.dtype not in ("F32", "F16"):
+            raise FactorError(self.name, f"edit() needs an F32 or F16 adapter, this one is {self.dtype}",
+                              problems=["use set_factors_multi(), which converts float32 input to BF16"])
+        stage = self._get_stage()
+        with stage.lock:
+            mirror = self._write(stage.mirror)  # reads the tensors only when a direct write made it stale
+            names = self.factor_names()
+            try:
+                yield dict(mirror.views)
+                bad = mirror.check(names)
+                self._refuse_if([f"{n}: factors contain NaN or Inf" for n in bad])
+            except BaseException:
+                self._run(lambda: mirror.reload(names))
+                raise
+            self._commit(lambda: mirror.commit(names))
+
+    def _refuse_if(self, problems: list[str]) -> None:
+        if problems:
+            raise FactorError(self.name, "factors refused, nothing written", problems=problems)
+
+    def _commit(self, publish: Callable[[], None]) -> None:
         def write() -> None:
             with self._lock:
                 self._check_open()
-                for f, ea, eb in encoded:
-                    N.tensor_set(f.a, ea)
-                    N.tensor_set(f.b, eb)
+                publish()
                 self.version += 1
-        self._run(write)
+        self._write(write)
 
-    def _validate(self, factors: Mapping[str, tuple[Any, Any]]) -> list[tuple[_Factor, np.ndarray, np.ndarray]]:
-        problems, out = [], []
-        for name, pair in factors.items():
-            if self._factors is None or name not in self._factors:
-                problems.append(f"{name}: not a factor of this adapter (see factor_names())")
-                continue
-            f = self._factors[name]
-            try:
-                a, b = (_as_float(x) for x in pair)
-            except (TypeError, ValueError) as e:
-                problems.append(f"{name}: {e}")
-                continue
-            if a.shape != f.a_shape or b.shape != f.b_shape:
-                hint = ""
-                if a.ndim == 2 and b.ndim == 2 and (a.shape[0] != f.a_shape[0] or b.shape[1] != f.b_shape[1]):
-                    hint = f" (rank is fixed at {self.rank}: a different rank is a new adapter)"
-                problems.append(f"{name}: got A{a.shape} B{b.shape}, expected A{f.a_shape} B{f.b_shape}{hint}")
-                continue
-            if not (np.isfinite(a).all() and np.isfinite(b).all()):
-                problems.append(f"{name}: factors contain NaN or Inf")
-                continue
-            out.append((f, _encode(a, f.type), _encode(b, f.type)))
-        if problems:
-            raise FactorError(self.name, "factors refused, nothing written", problems=problems)
-        return out
+    def _get_stage(self) -> FactorStage:
+        self._check_open()
+        if self._stage is None:
+            assert self._factors is not None
+            stage = FactorStage(self._factors)
+            with self._lock:
+                self._stage = self._stage or stage
+        return self._stage
 
-    def _factor(self, name: str) -> _Factor:
+    def _factor(self, name: str) -> FactorTensors:
         self._check_open()
         if self._factors is None or name not in self._factors:
             raise FactorError(self.name, f"no factor named {name!r}", factor=name,
@@ -295,3 +300,4 @@ class LoRAAdapter:
         """Free the native adapter (only once no context uses it; the registry sees to that)."""
         with self._lock:
             self.handle.close()
+            self._stage = None
