@@ -202,7 +202,7 @@ def test_edit_is_all_or_nothing(engine, tiny_dir, tmp_path):
     names = a.factor_names()
     with pytest.raises(lm.FactorError, match="NaN") as ei:
         with a.edit() as f:
-            for A, B in f.values():
+            for A, _ in f.values():
                 A *= 2
             f[names[3]][1][0, 0] = np.inf
     assert names[3] in str(ei.value)
@@ -213,6 +213,9 @@ def test_edit_is_all_or_nothing(engine, tiny_dir, tmp_path):
     assert a.version == 0 and max_diff(engine.logits(PROMPT), before) == 0.0
     with a.edit() as f:  # nothing of the discarded edits is left in the staging copy
         assert all(np.array_equal(f[n][0], orig[n][0]) and np.array_equal(f[n][1], orig[n][1]) for n in names)
+        with pytest.raises(lm.FactorError, match="edit"):  # one writer at a time, never a deadlock
+            a.set_factors(names[0], *orig[names[0]])
+    assert a.version == 1
     write_tiny_lora(tmp_path / "b16.gguf", seed=2, dtype="bf16")
     b16 = engine.load_lora(tmp_path / "b16.gguf")
     with pytest.raises(lm.FactorError, match="F32 or F16"):

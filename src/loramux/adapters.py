@@ -20,7 +20,7 @@ import numpy as np
 
 from . import _native as N
 from .errors import AdapterError, BackendError, FactorError
-from .factor_stage import BF16, STORE, FactorStage, FactorTensors, from_bf16_bits
+from .factor_stage import BF16, STORE, FactorStage, FactorTensors, Mirror, from_bf16_bits
 from .gguf_io import (
     LORA_A,
     LORA_B,
@@ -34,6 +34,7 @@ from .model import Context, ContextOptions, Model
 
 _uid = itertools.count(1)
 _TYPE_NAME = {0: "F32", 1: "F16", 30: "BF16"}
+EDIT_WAIT_S = 30.0
 
 
 def _decode(raw: np.ndarray, ggml_type: int) -> np.ndarray:
@@ -204,21 +205,37 @@ class LoRAAdapter:
         writes nothing.
         """
         stage = self._get_stage()
-        with stage.lock:
-            if not stage.use_mirror:
-                problems, jobs = stage.encode(factors)
-                self._refuse_if(problems)
-                self._commit(lambda: stage.write(jobs))
-                return
-            mirror = self._write(stage.mirror)  # reads the tensors only when a direct write made it stale
-            problems, touched = mirror.fill(factors)
-            bad = set(mirror.check(touched)) if not problems else set()
-            problems += [f"{n}: factors contain NaN or Inf (after conversion to {self.dtype})"
-                         for n in touched if n in bad]
-            if problems:
-                self._run(lambda: mirror.reload(touched))  # the mirror goes back to the live values
-            self._refuse_if(problems)
-            self._commit(lambda: mirror.commit(touched))
+        self._write(lambda: self._update(stage, factors))
+
+    def _update(self, stage: FactorStage, factors: Mapping[str, tuple[Any, Any]]) -> None:
+        """Validate, then write; runs serialized with decodes (engine thread, or the idle engine's lock).
+
+        Running the whole update there, rather than validating on the caller's thread, means no
+        thread holds the stage while it waits for the engine: writers cannot deadlock each other.
+        """
+        if not stage.lock.acquire(blocking=False):
+            raise FactorError(self.name, "an edit() block of this adapter is open",
+                              problems=["finish the with-block before other writes to the same adapter"])
+        try:
+            with self._lock:
+                self._check_open()
+                if stage.use_mirror:
+                    mirror = stage.mirror()
+                    problems, touched = mirror.fill(factors)
+                    bad = set(mirror.check(touched)) if not problems else set()
+                    problems += [f"{n}: factors contain NaN or Inf (after conversion to {self.dtype})"
+                                 for n in touched if n in bad]
+                    if problems:
+                        mirror.reload(touched)  # the mirror goes back to the live values
+                    self._refuse_if(problems)
+                    mirror.commit(touched)
+                else:
+                    problems, jobs = stage.encode(factors)
+                    self._refuse_if(problems)
+                    stage.write(jobs)
+                self.version += 1
+        finally:
+            stage.lock.release()
 
     @contextlib.contextmanager
     def edit(self) -> Iterator[dict[str, tuple[np.ndarray, np.ndarray]]]:
@@ -240,29 +257,36 @@ class LoRAAdapter:
             raise FactorError(self.name, f"edit() needs an F32 or F16 adapter, this one is {self.dtype}",
                               problems=["use set_factors_multi(), which converts float32 input to BF16"])
         stage = self._get_stage()
-        with stage.lock:
+        # a timeout, not a plain wait: an edit() opened on the engine thread while another thread's
+        # edit() block waits for the engine would otherwise never return
+        if not stage.lock.acquire(timeout=EDIT_WAIT_S):
+            raise FactorError(self.name, f"another edit() of this adapter stayed open for {EDIT_WAIT_S:.0f} s",
+                              problems=["edit an adapter from one thread at a time"])
+        try:
             mirror = self._write(stage.mirror)  # reads the tensors only when a direct write made it stale
             names = self.factor_names()
             try:
                 yield dict(mirror.views)
-                bad = mirror.check(names)
-                self._refuse_if([f"{n}: factors contain NaN or Inf" for n in bad])
             except BaseException:
-                self._run(lambda: mirror.reload(names))
+                self._write(lambda: mirror.reload(names))
                 raise
-            self._commit(lambda: mirror.commit(names))
+            self._write(lambda: self._publish(mirror, names))
+        finally:
+            stage.lock.release()
+
+    def _publish(self, mirror: Mirror, names: list[str]) -> None:
+        with self._lock:
+            self._check_open()
+            bad = mirror.check(names)
+            if bad:
+                mirror.reload(names)
+            self._refuse_if([f"{n}: factors contain NaN or Inf" for n in bad])
+            mirror.commit(names)
+            self.version += 1
 
     def _refuse_if(self, problems: list[str]) -> None:
         if problems:
             raise FactorError(self.name, "factors refused, nothing written", problems=problems)
-
-    def _commit(self, publish: Callable[[], None]) -> None:
-        def write() -> None:
-            with self._lock:
-                self._check_open()
-                publish()
-                self.version += 1
-        self._write(write)
 
     def _get_stage(self) -> FactorStage:
         self._check_open()

@@ -128,7 +128,11 @@ async def start(state: ServerState, body: CompletionRequest | ChatRequest, chat:
                        code="adapter_capacity")
     job = Job(state, model, chat, body, tokens, entries, started)
 
+    streaming = bool(getattr(body, "stream", False))
+
     def on_event(kind: str, value: Any) -> None:  # engine thread
+        if kind == "text" and not streaming:
+            return  # the completion carries the text: waking the event loop per token only steals CPU from decoding
         try:
             loop.call_soon_threadsafe(job.queue.put_nowait, (kind, value))
         except RuntimeError:  # the loop is gone (shutdown): nobody is listening
