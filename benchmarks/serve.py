@@ -108,6 +108,12 @@ def run_load(srv: Server, spread: bool, n_requests: int, concurrency: int, n_tok
             "p99": lat[min(len(lat) - 1, int(0.99 * len(lat)))], "wall": wall}
 
 
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run with the median throughput (its latencies with it), plus every throughput seen."""
+    ordered = sorted(runs, key=lambda r: r["tok_s"])
+    return {**ordered[(len(ordered) - 1) // 2], "all_tok_s": [r["tok_s"] for r in runs]}
+
+
 def hot_load(srv: Server, path: str) -> float:
     t0 = time.perf_counter()
     r = httpx.post(srv.url + "/v1/load_lora_adapter", json={"lora_name": "hot", "lora_path": path}, timeout=120)
@@ -117,7 +123,7 @@ def hot_load(srv: Server, path: str) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    common_args(ap, repeats=1)
+    common_args(ap, repeats=1)  # --repeats N: N load runs per case, the median run is reported
     ap.add_argument("--parallel", type=int, default=8, help="server slots and requests in flight (default 8)")
     ap.add_argument("--requests", type=int, default=32, help="requests per case (default 32)")
     ap.add_argument("--tokens", type=int, default=64, help="generated tokens per request (default 64)")
@@ -153,8 +159,11 @@ def main() -> None:
     for label, argv, kind in systems:
         srv = Server(argv, kind, adapters)
         try:
-            one = run_load(srv, False, args.requests, args.parallel, args.tokens)
-            spread = run_load(srv, True, args.requests, args.parallel, args.tokens)
+            ones, spreads = [], []
+            for _ in range(max(1, args.repeats)):  # one adapter and spread alternate, each once per repeat
+                ones.append(run_load(srv, False, args.requests, args.parallel, args.tokens))
+                spreads.append(run_load(srv, True, args.requests, args.parallel, args.tokens))
+            one, spread = median_run(ones), median_run(spreads)
             hl = hot_load(srv, hot) if kind == "loramux" else None
         finally:
             srv.close()
