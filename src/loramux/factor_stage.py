@@ -14,8 +14,9 @@ adapter's factor memory in the tensors' own storage type:
 
 Nothing reaches the live tensors before the whole update has passed its checks, and a refused
 update restores the mirror from the live tensors. The mirror is created on the first write, so
-adapters that are only served never pay its memory. The adapter's tensors must change only
-through its stage (`LoRAAdapter.set_factors_multi`).
+adapters that are only served never pay its memory; adapters over `MIRROR_MAX_BYTES` skip it in
+`set_factors_multi` and write validated arrays tensor by tensor. `LoRAAdapter.edit()` hands out
+the mirror's views themselves. The adapter's tensors must change only through its stage.
 """
 
 from __future__ import annotations
@@ -184,7 +185,7 @@ class Mirror:
         self.total_bytes = sum(size)
         types = {f.type for f in self._factors.values()}
         store = np.dtype(STORE[next(iter(types))]) if len(types) == 1 and BF16 not in types else None
-        # one float view over the whole mirror (padding stays zero) for the one-sum finiteness test
+        # one float view over the whole mirror (padding stays zero) for the one-pass finiteness test
         self._whole = self._buf.view(store) if store is not None and end % store.itemsize == 0 else None
         self.reload(list(self._factors))
 
