@@ -18,13 +18,14 @@ exactly. A non-finite loss (or update) puts the last good factors back and raise
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -198,10 +199,26 @@ class ZOTrainer:
     def n_params(self) -> int:
         return sum(a.size + b.size for a, b in self.master.values())
 
-    def _write(self, factors: Factors) -> None:
+    @contextlib.contextmanager
+    def _clock(self, key: str) -> Iterator[None]:
+        """Add the block's wall time to timing[key] (the per-step breakdown in the log)."""
         t0 = time.perf_counter()
-        self.adapter.set_factors_multi(factors)
-        self.timing["write"] += time.perf_counter() - t0
+        try:
+            yield
+        finally:
+            self.timing[key] += time.perf_counter() - t0
+
+    def _write(self, factors: Factors) -> None:
+        with self._clock("write"):
+            self.adapter.set_factors_multi(factors)
+
+    def _loss_at(self, z: Factors, coef: float, batch: Sequence[Example]) -> float:
+        """Loss on `batch` with the factors moved to θ + coef·z."""
+        with self._clock("other"):
+            shifted = self._shifted(z, coef)
+        self._write(shifted)
+        with self._clock("forward"):
+            return self._loss(batch)
 
     def _loss(self, examples: Sequence[Example]) -> float:
         total, count = self.engine.loss_sum([e.tokens for e in examples], masks=[e.mask for e in examples],
@@ -233,28 +250,16 @@ class ZOTrainer:
         before = dict(self.timing)
         step = self.step + 1
         batch = self._next_batch()
-        t0 = time.perf_counter()
-        z = self._noise(int(self.rng.integers(0, 2**63 - 1)))
-        plus = self._shifted(z, self.cfg.eps)
-        self.timing["other"] += time.perf_counter() - t0
-        self._write(plus)
-        t0 = time.perf_counter()
-        lp = self._loss(batch)
-        self.timing["forward"] += time.perf_counter() - t0
-        t0 = time.perf_counter()
-        minus = self._shifted(z, -self.cfg.eps)
-        self.timing["other"] += time.perf_counter() - t0
-        self._write(minus)
-        t0 = time.perf_counter()
-        lm = self._loss(batch)
-        self.timing["forward"] += time.perf_counter() - t0
-        t0 = time.perf_counter()
-        g = (lp - lm) / (2.0 * self.cfg.eps)
-        lr = self.cfg.lr_at(step)
-        coef = self._coef(g, step) if math.isfinite(g) else math.nan
-        new = self._shifted(z, -lr * coef) if math.isfinite(coef) else None
-        ok = new is not None and all(np.isfinite(a).all() and np.isfinite(b).all() for a, b in new.values())
-        self.timing["other"] += time.perf_counter() - t0
+        with self._clock("other"):
+            z = self._noise(int(self.rng.integers(0, 2**63 - 1)))
+        lp = self._loss_at(z, self.cfg.eps, batch)
+        lm = self._loss_at(z, -self.cfg.eps, batch)
+        with self._clock("other"):
+            g = (lp - lm) / (2.0 * self.cfg.eps)
+            lr = self.cfg.lr_at(step)
+            coef = self._coef(g, step) if math.isfinite(g) else math.nan
+            new = self._shifted(z, -lr * coef) if math.isfinite(coef) else None
+            ok = new is not None and all(np.isfinite(a).all() and np.isfinite(b).all() for a, b in new.values())
         if not ok:
             self._write(self.master)  # restore the last good factors before saying anything
             what = f"loss L+={lp!r}, L-={lm!r}" if not (math.isfinite(lp) and math.isfinite(lm)) else \
@@ -293,9 +298,8 @@ class ZOTrainer:
         """Held-out loss of the current factors; keeps and saves them if they are the best so far."""
         if not self.evals:
             return None
-        t0 = time.perf_counter()
-        loss = self._loss(self.evals)
-        self.timing["eval"] += time.perf_counter() - t0
+        with self._clock("eval"):
+            loss = self._loss(self.evals)
         self.eval_history.append((self.step, loss))
         if not math.isfinite(loss):
             return loss
