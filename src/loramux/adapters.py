@@ -20,7 +20,7 @@ import numpy as np
 
 from . import _native as N
 from .errors import AdapterError, BackendError, FactorError
-from .factor_stage import BF16, STORE, FactorStage, FactorTensors, Mirror, from_bf16_bits
+from .factor_stage import BF16, STORE, TYPE_NAME, FactorStage, FactorTensors, Mirror, from_bf16_bits
 from .gguf_io import (
     LORA_A,
     LORA_B,
@@ -33,7 +33,6 @@ from .gguf_io import (
 from .model import Context, ContextOptions, Model
 
 _uid = itertools.count(1)
-_TYPE_NAME = {0: "F32", 1: "F16", 30: "BF16"}
 EDIT_WAIT_S = 30.0
 
 
@@ -151,7 +150,7 @@ class LoRAAdapter:
             if tuple(va.ne[:2]) != tuple(reversed(a_shape)) or tuple(vb.ne[:2]) != tuple(reversed(b_shape)):
                 problems.append(f"{t}: graph tensor shapes {tuple(va.ne[:2])}/{tuple(vb.ne[:2])} differ from the file")
                 continue
-            if va.type not in _TYPE_NAME or va.type != vb.type:
+            if va.type not in TYPE_NAME or va.type != vb.type:
                 problems.append(f"{t}: unexpected tensor types {va.type}/{vb.type}")
                 continue
             esize = N.GGML_TYPE_SIZE[va.type]
@@ -222,13 +221,7 @@ class LoRAAdapter:
                 if stage.use_mirror:
                     mirror = stage.mirror()
                     problems, touched = mirror.fill(factors)
-                    bad = set(mirror.check(touched)) if not problems else set()
-                    problems += [f"{n}: factors contain NaN or Inf (after conversion to {self.dtype})"
-                                 for n in touched if n in bad]
-                    if problems:
-                        mirror.reload(touched)  # the mirror goes back to the live values
-                    self._refuse_if(problems)
-                    mirror.commit(touched)
+                    self._publish(mirror, touched, problems)
                 else:
                     problems, jobs = stage.encode(factors)
                     self._refuse_if(problems)
@@ -270,19 +263,25 @@ class LoRAAdapter:
             except BaseException:
                 self._write(lambda: mirror.reload(names))
                 raise
-            self._write(lambda: self._publish(mirror, names))
+            self._write(lambda: self._publish_edit(mirror, names))
         finally:
             stage.lock.release()
 
-    def _publish(self, mirror: Mirror, names: list[str]) -> None:
+    def _publish_edit(self, mirror: Mirror, names: list[str]) -> None:
         with self._lock:
             self._check_open()
-            bad = mirror.check(names)
-            if bad:
-                mirror.reload(names)
-            self._refuse_if([f"{n}: factors contain NaN or Inf" for n in bad])
-            mirror.commit(names)
+            self._publish(mirror, names, [])
             self.version += 1
+
+    def _publish(self, mirror: Mirror, touched: list[str], problems: list[str]) -> None:
+        """Check what the mirror holds for `touched`; publish it, or restore it and refuse (all-or-nothing)."""
+        if not problems:
+            problems = [f"{n}: factors contain NaN or Inf (after conversion to {self.dtype})"
+                        for n in mirror.check(touched)]
+        if problems:
+            mirror.reload(touched)  # the mirror goes back to the live values
+        self._refuse_if(problems)
+        mirror.commit(touched)
 
     def _refuse_if(self, problems: list[str]) -> None:
         if problems:

@@ -32,7 +32,7 @@ from . import _native as N
 
 BF16 = 30
 STORE = {0: np.float32, 1: np.float16, BF16: np.uint16}  # ggml type → numpy storage dtype
-_TYPE = {0: "F32", 1: "F16", BF16: "BF16"}
+TYPE_NAME = {0: "F32", 1: "F16", BF16: "BF16"}  # ggml type → name
 _PACK_ALIGN = 64
 MIRROR_MAX_BYTES = 8 << 20  # above this, writes go tensor by tensor (see FactorStage)
 
@@ -147,7 +147,7 @@ class FactorStage:
                 if ea is None or eb is None:
                     problems.append(_shape_problem(name, f, a, b))
                 elif not (_all_finite(ea, f.type) and _all_finite(eb, f.type)):
-                    problems.append(f"{name}: factors contain NaN or Inf (after conversion to {_TYPE[f.type]})")
+                    problems.append(f"{name}: factors contain NaN or Inf (after conversion to {TYPE_NAME[f.type]})")
                 else:
                     jobs += [(f.a, ea), (f.b, eb)]
         return problems, jobs

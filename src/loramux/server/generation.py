@@ -132,7 +132,7 @@ async def start(state: ServerState, body: CompletionRequest | ChatRequest, chat:
 
     def on_event(kind: str, value: Any) -> None:  # engine thread
         if kind == "text" and not streaming:
-            return  # the completion carries the text: waking the event loop per token only steals CPU from decoding
+            return  # nobody reads them: the completion carries the whole text
         try:
             loop.call_soon_threadsafe(job.queue.put_nowait, (kind, value))
         except RuntimeError:  # the loop is gone (shutdown): nobody is listening
