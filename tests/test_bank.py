@@ -98,6 +98,38 @@ def test_mixed_batch_is_bit_identical_to_padded_controls(setup):
     plain.close()
 
 
+def test_masks_stay_right_across_decodes_and_batch_shapes(setup):
+    """The callback caches node views per memory place: later decodes, other shapes, other slots."""
+    model, bank, users, tmp = setup
+    slots = [bank.acquire(u) for u in users]
+    seq_tokens = [model.tokenize(p) for p in PROMPTS]
+    ctx = _ctx(model, bank.callback)
+    ctx.handle.set_adapters([bank.adapter.handle], [1.0])
+    plain = _ctx(model)
+    controls = []
+    for i, u in enumerate(users):
+        pad = _padded(bank, u, slots[i], tmp / f"pad{i}.gguf")
+        plain.handle.set_adapters([pad.handle], [1.0])
+        controls.append(_run_batch(plain, model, seq_tokens))
+        plain.handle.set_adapters([], [])  # before close: the context must not keep a freed adapter
+        pad.close()
+    controls.append(_run_batch(plain, model, seq_tokens))  # index 3: no adapter
+    # user index per sequence (3 = none); the short batch in between changes every node's shape
+    for users_of in ([0, 1, 2, 3], [3, 0, 1, 2], None, [2, 3, 0, 1], [2, 3, 0, 1]):
+        toks = seq_tokens if users_of is not None else [t[:3] for t in seq_tokens]
+        assign = users_of or [0, 1, 2, 3]
+        wants = [[(slots[j], 1.0)] if j < 3 else [] for j in assign]
+        flags = np.concatenate([[0] * (len(t) - 1) + [1] for t in toks]) != 0
+        scales = token_scales(bank, [(len(t), w) for t, w in zip(toks, wants)])
+        got = _run_batch(ctx, model, toks, lambda s=scales, f=flags: bank.set_plan(s, f))
+        bank.check()
+        if users_of is not None:
+            for s, j in enumerate(assign):
+                assert np.array_equal(got[s], controls[j][s]), (users_of, s)
+    ctx.close()
+    plain.close()
+
+
 def test_slot_lru_pinning_and_rewrite(setup):
     model, bank, users, tmp = setup
     extra = [LoRAAdapter(model, users[0].path, f"x{i}") for i in range(3)]

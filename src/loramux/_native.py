@@ -165,13 +165,39 @@ def tensor_nbytes(ptr: int) -> int:
     return int(_ggml.ggml_nbytes(ptr))
 
 
+# Graph-node reads for eval callbacks: they run for every node of every decode, so each is one
+# ctypes scalar read at a fixed offset instead of a whole GgmlTensor mirror.
+_OFF_OP, _OFF_SRC0, _OFF_NE1 = GgmlTensor.op.offset, GgmlTensor.src.offset, GgmlTensor.ne.offset + 8
+_OFF_DATA, _OFF_BUFFER = GgmlTensor.data.offset, GgmlTensor.buffer.offset
+_void_at, _int_at, _i64_at = ctypes.c_void_p.from_address, ctypes.c_int.from_address, ctypes.c_int64.from_address
+
+
+def node_src0(ptr: int) -> int | None:
+    """Address of a node's first source tensor (None when it has none)."""
+    return _void_at(ptr + _OFF_SRC0).value
+
+
+def node_op(ptr: int) -> int:
+    return _int_at(ptr + _OFF_OP).value
+
+
+def node_ne1(ptr: int) -> int:
+    """A node's second dimension (the token count of a matmul output)."""
+    return _i64_at(ptr + _OFF_NE1).value
+
+
+def node_place(ptr: int) -> tuple[int | None, int | None]:
+    """(data address, backend buffer) of a node: together they say which memory it was computed into."""
+    return _void_at(ptr + _OFF_DATA).value, _void_at(ptr + _OFF_BUFFER).value
+
+
 def host_f32_view(ptr: int, shape: tuple[int, int]) -> np.ndarray | None:
     """A numpy view of a contiguous F32 tensor that lives in host memory (None elsewhere, e.g. on a GPU)."""
     t = GgmlTensor.from_address(ptr)
     if not t.data or not t.buffer or t.type != 0 or not _ggml.ggml_backend_buffer_is_host(t.buffer):
         return None
     n = shape[0] * shape[1]
-    return np.ctypeslib.as_array((ctypes.c_float * n).from_address(t.data)).reshape(shape)
+    return np.frombuffer((ctypes.c_float * n).from_address(t.data), np.float32).reshape(shape)
 
 
 def tensor_host_address(ptr: int) -> tuple[int, int] | None:

@@ -18,7 +18,6 @@ of silently serving unmasked output.
 
 from __future__ import annotations
 
-import ctypes
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -34,9 +33,7 @@ from .gguf_io import write_adapter
 from .model import Model
 
 PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
-_OFF_OP = GgmlOff = N.GgmlTensor.op.offset
-_OFF_SRC0 = N.GgmlTensor.src.offset
-_OFF_NE1 = N.GgmlTensor.ne.offset + 8
+VIEW_CACHE_MAX = 4096  # cached node views (a few per graph shape); cleared when exceeded
 
 
 class SlotsBusyError(LoramuxError):
@@ -66,10 +63,6 @@ class MaskPlan:
     per_ubatch: int  # bank nodes each ubatch's graph holds
     masked: int = 0
     problems: list[str] = field(default_factory=list)
-
-    def current(self) -> tuple[np.ndarray, np.ndarray] | None:
-        u = self.masked // self.per_ubatch
-        return self.ubatches[u] if u < len(self.ubatches) else None
 
 
 def plan_ubatches(seq_ids: np.ndarray, n_ubatch: int, unified: bool) -> list[np.ndarray]:
@@ -125,6 +118,7 @@ class SlotBank:
         self._esize = N.GGML_TYPE_SIZE[facs[self.targets[0]].type]
         self.slots = [_Slot() for _ in range(slots)]
         self.plan: MaskPlan | None = None
+        self._views: dict[tuple[int | None, int | None, int], np.ndarray | None] = {}
         self.writes = 0
 
     # -- slots ---------------------------------------------------------------------------------
@@ -208,32 +202,43 @@ class SlotBank:
 
     def callback(self, t: int, ask: bool) -> bool:
         """cb_eval: stop at bank A·x nodes and scale them in place; never truncate the graph."""
-        if ask:
-            if ctypes.c_int.from_address(t + _OFF_OP).value != N.OP_MUL_MAT:
-                return False
-            return ctypes.c_void_p.from_address(t + _OFF_SRC0).value in self._a_ptrs
+        if ask:  # called for every node of the graph: the cheapest test (one read, a set lookup) first
+            return N.node_src0(t) in self._a_ptrs and N.node_op(t) == N.OP_MUL_MAT
         plan = self.plan
-        cur = plan.current() if plan is not None else None
-        if plan is None or cur is None:
-            if plan is not None:
-                plan.problems.append("more bank nodes than planned ubatches")
+        if plan is None:
             return True
-        full, out = cur
-        n_tok = ctypes.c_int64.from_address(t + _OFF_NE1).value
+        u = plan.masked // plan.per_ubatch
+        if u >= len(plan.ubatches):
+            plan.problems.append("more bank nodes than planned ubatches")
+            return True
+        full, out = plan.ubatches[u]
+        n_tok = N.node_ne1(t)
         mask = full if n_tok == full.shape[0] else out if n_tok == out.shape[0] else None
+        plan.masked += 1
         if mask is None:
             plan.problems.append(f"node with {n_tok} tokens matches neither {full.shape[0]} nor {out.shape[0]}")
-            plan.masked += 1
             return True
-        view = N.host_f32_view(t, (n_tok, self.width))
+        view = self._node_view(t, n_tok)
         if view is not None:
             view *= mask  # CPU: scale the node's output where it lies, no copies
         else:
             data = N.tensor_get(t, np.empty((n_tok, self.width), np.float32))
             data *= mask
             N.tensor_set(t, data)
-        plan.masked += 1
         return True
+
+    def _node_view(self, t: int, n_tok: int) -> np.ndarray | None:
+        """The node's host memory as (n_tok, width) floats; None off the host. Cached per memory place:
+        llama.cpp reuses the same compute-buffer addresses for every decode of a graph shape, and
+        the key (data address, buffer, n_tok) names memory the node occupies right now."""
+        key = (*N.node_place(t), n_tok)
+        try:
+            return self._views[key]
+        except KeyError:
+            if len(self._views) >= VIEW_CACHE_MAX:
+                self._views.clear()
+            view = self._views[key] = N.host_f32_view(t, (n_tok, self.width))
+            return view
 
     def check(self) -> None:
         """After a decode: every bank node was masked with a planned shape, or raise."""
