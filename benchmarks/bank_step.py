@@ -1,0 +1,178 @@
+"""One decode step of 8 sequences on 4 adapters: slot bank vs group rotation vs the base model.
+
+What the serving benchmark's aggregate tokens/s is made of, measured side by side in one process
+on the same llama.cpp build, so the bank's gain and its ceiling on this machine can be read off:
+
+- base:          8 sequences, 1 token each, no adapter (no bank can be cheaper than this);
+- one adapter:   the same step with every sequence on one native rank-r adapter;
+- slot bank:     the 8 sequences spread over 4 adapters in a K=4 bank (per-token masks);
+- bank, no masks: the bank in the graph without the eval callback (output wrong; it splits the
+                 bank's cost into its wider factors and its masks);
+- rotation:      what llama-server does with 4 adapter sets: 4 steps of 2 sequences, switching the
+                 context's adapter before each (the switch is part of the cost).
+
+- no switch:     the same four 2-sequence steps on one adapter (a rotation that serves each group
+                 in long runs and so almost never pays a switch; llama-server drifts towards this
+                 by letting some requests wait).
+
+Rotation / base is the most any bank can gain over group rotation here: it is the speed-up of a
+bank that costs nothing. The ratio depends on how well the CPU batches tokens (an 8-token step
+costs 8 times a 1-token step's arithmetic in the output head and every projection).
+
+    python benchmarks/bank_step.py --repeats 40
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from _common import (
+    common_args,
+    dump_json,
+    machine_info,
+    median,
+    model_path,
+    print_machine,
+    print_table,
+    projection_shapes,
+    write_random_adapter,
+)
+
+N_SEQ, N_ADAPTERS = 8, 4
+PROMPT = "Write a short story about a lighthouse keeper who lived alone by the sea for forty years"
+
+
+class System:
+    """One context and the way it runs a decode step of every sequence at position `pos`."""
+
+    def __init__(self, label: str, ctx: Any, step: Callable[[Any, int, int], None]) -> None:
+        self.label, self.ctx, self._step = label, ctx, step
+        self.times: list[float] = []
+
+    def run(self, pos: int, it: int) -> None:
+        t0 = time.perf_counter()
+        self._step(self.ctx, pos, it)
+        self.times.append(time.perf_counter() - t0)
+
+
+def build(args: argparse.Namespace, work: Path) -> tuple[list[System], list[int], Any]:
+    from loramux.adapters import LoRAAdapter
+    from loramux.bank import SlotBank, plan_ubatches, token_scales
+    from loramux.gguf_io import read_header
+    from loramux.model import Context, ContextOptions, Model
+
+    path = model_path(args.model)
+    model = Model(path)
+    shapes = projection_shapes(path)
+    arch = read_header(path).architecture or "?"
+    adapters = [LoRAAdapter(model, write_random_adapter(work / f"a{k}.gguf", arch, shapes, args.rank, 100 + k),
+                            f"a{k}") for k in range(N_ADAPTERS)]
+    bank = SlotBank(model, N_ADAPTERS, args.rank)
+    slot = [bank.acquire(a) for a in adapters]
+    prompt = model.tokenize(PROMPT)
+    opts = ContextOptions(n_ctx=args.n_ctx * N_SEQ, n_batch=512, n_ubatch=512, n_seq_max=N_SEQ,
+                          n_threads=args.threads, kv_unified=True, flash_attn=args.flash_attn)
+
+    def tokens(ctx: Any, seqs: range | list[int], pos: int, it: int) -> None:
+        b = ctx.batch
+        b.clear()
+        for s in seqs:
+            b.add([prompt[(it + s) % len(prompt)]], pos, s, True)
+
+    def plain(ctx: Any, pos: int, it: int) -> None:
+        tokens(ctx, range(N_SEQ), pos, it)
+        ctx.handle.decode(ctx.batch)
+
+    def masked(ctx: Any, pos: int, it: int) -> None:
+        tokens(ctx, range(N_SEQ), pos, it)
+        b = ctx.batch
+        scales = token_scales(bank, [(1, [(slot[s % N_ADAPTERS], adapters[s % N_ADAPTERS].scaling)])
+                                     for s in range(N_SEQ)])
+        bank.set_plan(scales, b.logits[: b.n] != 0, plan_ubatches(b.seq[: b.n], b.capacity, True))
+        ctx.handle.decode(b)
+        bank.check()
+
+    def rotate(ctx: Any, pos: int, it: int) -> None:
+        for k, a in enumerate(adapters):
+            ctx.handle.set_adapters([a.handle], [1.0])
+            tokens(ctx, [s for s in range(N_SEQ) if s % N_ADAPTERS == k], pos, it)
+            ctx.handle.decode(ctx.batch)
+
+    def groups_no_switch(ctx: Any, pos: int, it: int) -> None:
+        for k in range(N_ADAPTERS):  # the same four 2-sequence decodes on one adapter: no switch
+            tokens(ctx, [s for s in range(N_SEQ) if s % N_ADAPTERS == k], pos, it)
+            ctx.handle.decode(ctx.batch)
+
+    systems = []
+    for label, cb, loras, step in [
+        ("base (no adapter)", None, [], plain),
+        (f"one adapter (native rank {args.rank})", None, [adapters[0]], plain),
+        (f"slot bank K={N_ADAPTERS}, masks", bank.callback, [bank.adapter], masked),
+        ("slot bank, no masks (cost split only)", None, [bank.adapter], plain),
+        ("rotation: 4 sets × 2 sequences", None, [adapters[0]], rotate),
+        ("4 × 2 sequences, no adapter switch", None, [adapters[0]], groups_no_switch),
+    ]:
+        ctx = Context(model, opts, callback=cb)
+        ctx.handle.set_adapters([a.handle for a in loras], [1.0] * len(loras))
+        systems.append(System(label, ctx, step))
+    return systems, prompt, (model, bank, adapters)
+
+
+def prefill(systems: list[System], n: int) -> None:
+    """Fill every context's KV cache with n positions per sequence (the step is then measured at n, n+1, …)."""
+    for sys_ in systems:
+        for pos in range(n):
+            sys_.run(pos, pos)
+        sys_.times.clear()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common_args(ap, repeats=40)  # --repeats N: N interleaved decode steps per system
+    ap.add_argument("--rank", type=int, default=8, help="adapter rank and bank slot rank (default 8)")
+    ap.add_argument("--n-ctx", type=int, default=512, help="KV cells per sequence (default 512)")
+    ap.add_argument("--context", type=int, default=16, help="positions decoded before timing (default 16)")
+    ap.add_argument("--flash-attn", action="store_true", help="flash attention on in every context")
+    args = ap.parse_args()
+    if args.context + args.repeats + 1 > args.n_ctx:
+        raise SystemExit(f"error: --context + --repeats must stay below --n-ctx ({args.n_ctx})")
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="loramux-bank-step-"))
+    work.mkdir(parents=True, exist_ok=True)
+    info = machine_info(args.threads)
+    print_machine(info)
+    systems, _, keep = build(args, work)
+    prefill(systems, args.context)
+    for it in range(args.repeats):  # interleaved: each round runs one step of every system
+        for s in systems:
+            s.run(args.context + it, it)
+        print(f"\rstep {it + 1}/{args.repeats}", end="", file=sys.stderr, flush=True)
+    print(file=sys.stderr)
+    report(systems, args)
+    dump_json(args.json, {"machine": info, "args": vars(args),
+                          "steps_s": {s.label: s.times for s in systems}})
+    del keep
+
+
+def report(systems: list[System], args: argparse.Namespace) -> None:
+    med = {s.label: median(s.times) for s in systems}
+    base, one, bank, unmasked, rot, groups = (med[s.label] for s in systems)
+    rows = [[s.label, f"{med[s.label] * 1e3:.1f}", f"{N_SEQ / med[s.label]:.0f}",
+             f"{rot / med[s.label]:.2f}×", f"{one / med[s.label]:.2f}×"] for s in systems]
+    print_table(f"one decode step of {N_SEQ} sequences ({N_ADAPTERS} adapters of rank {args.rank}, "
+                f"{args.threads} threads, median of {args.repeats} interleaved steps)",
+                ["system", "step ms", "tokens/s", "speed vs rotation", "speed vs one adapter"], rows)
+    print(f"\nslot bank vs rotation: {rot / bank:.2f}×; bank keeps {one / bank:.2f} of one-adapter speed")
+    print(f"ceiling for any bank (a bank that costs nothing = the base step): {rot / base:.2f}× a rotation that "
+          f"switches every step, {groups / base:.2f}× one that never pays a switch (groups served in long runs)")
+    print(f"bank overhead over the base step: {(bank - base) * 1e3:.1f} ms (wider factors "
+          f"{(unmasked - base) * 1e3:.1f} ms, masks {(bank - unmasked) * 1e3:.1f} ms); "
+          f"native rank {args.rank}: {(one - base) * 1e3:.1f} ms")
+
+if __name__ == "__main__":
+    main()
