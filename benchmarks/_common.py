@@ -149,6 +149,17 @@ def quartiles(xs: Iterable[float]) -> tuple[float, float]:
     return float(q[0]), float(q[1])
 
 
+def median_ci(xs: Iterable[float], level: float = 0.95, n_boot: int = 5000, seed: int = 0) -> tuple[float, float]:
+    """Bootstrap confidence interval of the median: how far the median of noisy rounds can be trusted."""
+    vals = np.array([x for x in xs if x == x])
+    if len(vals) < 3:
+        return float("nan"), float("nan")
+    rng = np.random.default_rng(seed)
+    meds = np.median(rng.choice(vals, (n_boot, len(vals))), axis=1)
+    lo, hi = np.percentile(meds, [50 * (1 - level), 50 * (1 + level)])
+    return float(lo), float(hi)
+
+
 def ratio(a: float, b: float) -> float:
     return a / b if b and b == b and a == a else float("nan")
 

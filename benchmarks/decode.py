@@ -480,6 +480,22 @@ def paired(num: list[float], den: list[float]) -> float:
     return C.median([C.ratio(x, y) for x, y in zip(num, den)])
 
 
+def target_lines(results: Results, systems: list[str], what: str) -> list[str]:
+    """loramux against each peer without adapter: median per-round ratio, its 95 % bootstrap CI, win rate."""
+    none, out = results["none"], []
+    for peer in ("llama-bench", "Llama"):
+        if peer not in systems:
+            continue
+        rs = [C.ratio(x, y) for x, y in zip(none["loramux"][what], none[peer][what])]
+        rs = [r for r in rs if r == r]
+        if rs:
+            lo, hi = C.median_ci(rs)
+            wins = sum(r > 1 for r in rs)
+            out.append(f"{what} loramux/{peer}: {C.median(rs):.3f} (95% CI {lo:.3f}–{hi:.3f}; "
+                       f"loramux faster in {wins} of {len(rs)} rounds)")
+    return out
+
+
 def summarize(results: Results, systems: list[str], what: str) -> tuple[list[str], list[list[str]]]:
     """Median tok/s per system, plus ratios and overheads as medians of per-round ratios."""
     none = results["none"]
@@ -570,6 +586,10 @@ def main(argv: list[str] | None = None) -> int:
         headers, rows = summarize(results, systems, what)
         C.print_table(f"{what}{n}: tok/s (median over rounds); ratios and overheads are medians of per-round "
                       "ratios; overhead = extra time per token vs the same system without adapter", headers, rows)
+    print("\nno adapter, median of per-round ratios with a bootstrap confidence interval:")
+    for what in ("pp", "tg"):
+        for line in target_lines(results, systems, what):
+            print("  " + line)
     C.print_table("spread (tok/s)", ["adapter", "system", "test", "n", "min", "p25", "median", "p75", "max"],
                   spread_rows(results, systems))
     C.dump_json(args.json, {"machine": info, "args": vars(args), "results": results})
