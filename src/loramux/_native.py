@@ -274,6 +274,11 @@ def binding_version() -> str:
 # Handles
 # --------------------------------------------------------------------------------------------
 
+def _address(ptr: Any) -> int:
+    """A ctypes pointer's address as an int (0 for NULL)."""
+    return int(ctypes.cast(ptr, ctypes.c_void_p).value or 0)
+
+
 class _Handle:
     """A native pointer with an idempotent close()."""
 
@@ -505,8 +510,7 @@ class ContextHandle(_Handle):
 
     def set_adapters(self, adapters: Sequence[AdapterHandle], scales: Sequence[float]) -> None:
         """Set the context's adapter set (llama.cpp re-reserves the graph on the next decode)."""
-        key = tuple((int(ctypes.cast(a.ptr, ctypes.c_void_p).value or 0), float(s))
-                    for a, s in zip(adapters, scales))
+        key = tuple((_address(a.ptr), float(s)) for a, s in zip(adapters, scales))
         if key == self._adapters:
             return
         n = len(adapters)
@@ -516,6 +520,10 @@ class ContextHandle(_Handle):
         if rc != 0:
             raise BackendError("llama_set_adapters_lora", rc)
         self._adapters = key
+
+    def uses_adapter(self, adapter: AdapterHandle) -> bool:
+        """Is this adapter in the context's current set? (A closed handle never is.)"""
+        return not adapter.closed and any(p == _address(adapter.ptr) for p, _ in self._adapters)
 
     def set_control_vector(self, data: np.ndarray | None, n_embd: int, il_start: int, il_end: int) -> None:
         """Apply a control vector (data: n_layer × n_embd, layers 1..n_layer) or clear it (None)."""

@@ -232,7 +232,7 @@ class Engine:
             if not self.scheduler.uses(a):
                 self._retired.remove(a)
                 for c in (self.ctx, self._eval_ctx):
-                    if c is not None and any(p == _ptr(a) for p, _ in c.handle._adapters):
+                    if c is not None and c.handle.uses_adapter(a.handle):
                         c.handle.set_adapters([], [])
                 if self.bank is not None:
                     self.bank.forget(a)
@@ -569,11 +569,6 @@ def _last_occurrence(seq: list[int], sub: list[int]) -> int | None:
         if seq[i:i + n] == sub:
             return i
     return None
-
-
-def _ptr(a: LoRAAdapter) -> int:
-    import ctypes
-    return int(ctypes.cast(a.handle.ptr, ctypes.c_void_p).value or 0) if not a.handle.closed else -1
 
 
 def _resolve(src: str, **options: Any) -> Path:
