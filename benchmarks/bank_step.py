@@ -73,7 +73,7 @@ def build(args: argparse.Namespace, work: Path) -> tuple[list[System], list[int]
     arch = read_header(path).architecture or "?"
     adapters = [LoRAAdapter(model, write_random_adapter(work / f"a{k}.gguf", arch, shapes, args.rank, 100 + k),
                             f"a{k}") for k in range(N_ADAPTERS)]
-    bank = SlotBank(model, N_ADAPTERS, args.rank)
+    bank = SlotBank(model, N_ADAPTERS, args.slot_rank or args.rank)
     slot = [bank.acquire(a) for a in adapters]
     prompt = model.tokenize(PROMPT)
     opts = ContextOptions(n_ctx=args.n_ctx * N_SEQ, n_batch=512, n_ubatch=512, n_seq_max=N_SEQ,
@@ -113,7 +113,7 @@ def build(args: argparse.Namespace, work: Path) -> tuple[list[System], list[int]
     for label, cb, loras, step in [
         ("base (no adapter)", None, [], plain),
         (f"one adapter (native rank {args.rank})", None, [adapters[0]], plain),
-        (f"slot bank K={N_ADAPTERS}, masks", bank.callback, [bank.adapter], masked),
+        (f"slot bank K={N_ADAPTERS}×r{bank.r}, masks", bank.callback, [bank.adapter], masked),
         ("slot bank, no masks (cost split only)", None, [bank.adapter], plain),
         ("rotation: 4 sets × 2 sequences", None, [adapters[0]], rotate),
         ("4 × 2 sequences, no adapter switch", None, [adapters[0]], groups_no_switch),
@@ -136,6 +136,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     common_args(ap, repeats=40)  # --repeats N: N interleaved decode steps per system
     ap.add_argument("--rank", type=int, default=8, help="adapter rank and bank slot rank (default 8)")
+    ap.add_argument("--slot-rank", type=int, default=None,
+                    help="bank slot rank (default: --rank; loramux serve's default is 16)")
     ap.add_argument("--n-ctx", type=int, default=512, help="KV cells per sequence (default 512)")
     ap.add_argument("--context", type=int, default=16, help="positions decoded before timing (default 16)")
     ap.add_argument("--flash-attn", action="store_true", help="flash attention on in every context")
