@@ -26,9 +26,13 @@ Every system runs in a process of its own (loramux and Llama in worker processes
 so each has one OpenMP team and the same libgomp spin-wait behaviour: two teams in one process
 make libgomp throttle its spinning, which on a loaded machine changes speed several-fold.
 `--gomp-spincount N` exports GOMP_SPINCOUNT=N to every system (useful on a busy machine).
+Every process is restarted each round (`--fresh-every N` to restart less often): on a VM the same
+program runs up to ±10 % faster or slower from one process to the next (memory placement), so a
+whole run measured in one long-lived process would carry that one process's luck.
 
 tok/s are medians over `--repeats` rounds; ratios and adapter overheads (extra time per token vs
-the same system's no-adapter row) are medians of per-round ratios, robust to drifting load.
+the same system's no-adapter row) are medians of per-round ratios, robust to drifting load. The
+no-adapter ratios also get a 95 % bootstrap confidence interval and a count of rounds won.
 """
 
 from __future__ import annotations
@@ -193,6 +197,9 @@ class BenchRunner:
     def close(self) -> None:
         pass
 
+    def restart(self) -> None:
+        pass  # a new process on every run already
+
 
 class ServerRunner:
     """llama.cpp's llama-server with every adapter loaded unapplied; per-request `lora` lists; its own timings."""
@@ -200,6 +207,7 @@ class ServerRunner:
     name = "llama-server"
 
     def __init__(self, model: Path, args: argparse.Namespace, adapters: dict[str, Path]) -> None:
+        self._spawn_args = (model, args, adapters)
         exe = C.peer_binary("llama-server")
         self.ids = {label: i for i, label in enumerate(adapters)}
         self.lora: list[dict[str, Any]] | None = None
@@ -260,6 +268,10 @@ class ServerRunner:
                 self.proc.kill()
                 self.proc.wait()
 
+    def restart(self) -> None:
+        self.close()
+        self.__init__(*self._spawn_args)  # type: ignore[misc]
+
 
 class ProcRunner:
     """A LoramuxRunner or LlamaRunner in a worker process of its own, driven over a pipe."""
@@ -267,6 +279,7 @@ class ProcRunner:
     def __init__(self, name: str, model: Path, args: argparse.Namespace, adapters: dict[str, Path],
                  log_dir: Path) -> None:
         self.name = name
+        self._spawn_args = (model, args, adapters, log_dir)
         self.log = log_dir / f"worker-{name}.log"  # llama.cpp's chatter; shown if the worker fails
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", name, "--model", str(model),
                "--threads", str(args.threads), "--n-ctx", str(args.n_ctx), "--n-batch", str(args.n_batch),
@@ -307,6 +320,11 @@ class ProcRunner:
         if self.proc.poll() is None:
             self._call(op="close")
             self.proc.wait(30)
+
+    def restart(self) -> None:
+        """A fresh worker process (same settings): new memory placement, new luck."""
+        self.close()
+        self.__init__(self.name, *self._spawn_args)  # type: ignore[misc]
 
 
 WORKERS: dict[str, Callable[..., Any]] = {"loramux": LoramuxRunner, "Llama": LlamaRunner}
@@ -457,13 +475,13 @@ def measure(runners: list[Any], labels: list[str | None], args: argparse.Namespa
     results: Results = {k: {r.name: {"pp": [], "tg": []} for r in runners} for k in keys}
     rng = np.random.default_rng(1234)
     warm = [bos] + rng.integers(10, n_vocab - 10, args.n_prompt - 1).tolist()
-    for label in C.progress(labels, "warm-up"):
-        for r in runners:
-            r.configure(label)
-            if r.name != "llama-bench":  # it warms itself on every run
-                r.pp(warm)
-                r.tg(4)
+    for r in C.progress(runners, "warm-up"):
+        _warm_up(r, labels, warm)
     for i in C.progress(range(args.repeats), "rounds"):
+        if args.fresh_every and i and i % args.fresh_every == 0:
+            for r in runners:  # one process's memory-placement luck must not bias a whole run
+                r.restart()
+                _warm_up(r, labels, warm)
         tokens = [bos] + rng.integers(10, n_vocab - 10, args.n_prompt - 1).tolist()
         for j in range(len(labels)):
             label = labels[(i + j) % len(labels)]
@@ -473,6 +491,15 @@ def measure(runners: list[Any], labels: list[str | None], args: argparse.Namespa
                 results[label or "none"][r.name]["pp"].append(r.pp(tokens))
                 results[label or "none"][r.name]["tg"].append(r.tg(args.n_gen))
     return results
+
+
+def _warm_up(r: Any, labels: list[str | None], warm: list[int]) -> None:
+    if r.name == "llama-bench":  # it warms itself on every run
+        return
+    for label in labels:
+        r.configure(label)
+        r.pp(warm)
+        r.tg(4)
 
 
 def paired(num: list[float], den: list[float]) -> float:
@@ -539,6 +566,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--n-ctx", type=int, default=512)
     p.add_argument("--n-batch", type=int, default=512)
     p.add_argument("--flash-attn", action="store_true", help="flash attention on in every system")
+    p.add_argument("--fresh-every", type=int, default=1, metavar="N",
+                   help="restart every system's process every N rounds (default 1: a fresh process per "
+                        "round, so one process's memory placement cannot bias the run; 0: never)")
     p.add_argument("--gomp-spincount", type=int, default=None,
                    help="export GOMP_SPINCOUNT=N to every system (default: libgomp's own default)")
     for s in ("llama", "bench", "server"):
@@ -581,7 +611,8 @@ def main(argv: list[str] | None = None) -> int:
     systems = [r.name for r in runners]
     print(f"\nmodel: {model.name}; threads {args.threads}; n_ctx {args.n_ctx}; n_batch {args.n_batch}; "
           f"flash attention {'on' if args.flash_attn else 'off'}; GOMP_SPINCOUNT {info['GOMP_SPINCOUNT']}; "
-          f"{args.repeats} rounds; each system in its own process")
+          f"{args.repeats} rounds; each system in its own process"
+          + (f", restarted every {args.fresh_every} round(s)" if args.fresh_every else ""))
     for what, n in (("pp", args.n_prompt), ("tg", args.n_gen)):
         headers, rows = summarize(results, systems, what)
         C.print_table(f"{what}{n}: tok/s (median over rounds); ratios and overheads are medians of per-round "
