@@ -15,6 +15,10 @@ on the same llama.cpp build, so the bank's gain and its ceiling on this machine 
                  in long runs and so almost never pays a switch; llama-server drifts towards this
                  by letting some requests wait).
 
+A second part times the prefill of 8 prompts over the 4 adapters: one shared batch through the
+bank (masked; what loramux serve does), the same prompts in 4 batches grouped by adapter through
+the bank, rotation with native adapters, and the base model in one batch.
+
 Rotation / base is the most any bank can gain over group rotation here: it is the speed-up of a
 bank that costs nothing. The ratio depends on how well the CPU batches tokens (an 8-token step
 costs 8 times a 1-token step's arithmetic in the output head and every projection).
@@ -61,7 +65,7 @@ class System:
         self.times.append(time.perf_counter() - t0)
 
 
-def build(args: argparse.Namespace, work: Path) -> tuple[list[System], list[int], Any]:
+def build(args: argparse.Namespace, work: Path) -> tuple[list[System], list[System], Any]:
     from loramux.adapters import LoRAAdapter
     from loramux.bank import SlotBank, plan_ubatches, token_scales
     from loramux.gguf_io import read_header
@@ -121,7 +125,37 @@ def build(args: argparse.Namespace, work: Path) -> tuple[list[System], list[int]
         ctx = Context(model, opts, callback=cb)
         ctx.handle.set_adapters([a.handle for a in loras], [1.0] * len(loras))
         systems.append(System(label, ctx, step))
-    return systems, prompt, (model, bank, adapters)
+
+    # Prefill of N_SEQ prompts (run after the decode steps: it clears the contexts' KV caches)
+    ptoks = (prompt * (args.prompt_len // len(prompt) + 1))[: args.prompt_len]
+    every = [list(range(N_SEQ))]
+    by_adapter = [[s for s in range(N_SEQ) if s % N_ADAPTERS == k] for k in range(N_ADAPTERS)]
+
+    def fill(ctx: Any, groups: list[list[int]], mask: bool, switch: bool) -> None:
+        ctx.clear()
+        for k, seqs in enumerate(groups):
+            if switch:
+                ctx.handle.set_adapters([adapters[k].handle], [1.0])
+            b = ctx.batch
+            b.clear()
+            for s in seqs:
+                b.add(ptoks, 0, s, [False] * (len(ptoks) - 1) + [True])
+            if mask:
+                scales = token_scales(bank, [(len(ptoks), [(slot[s % N_ADAPTERS], adapters[s % N_ADAPTERS].scaling)])
+                                             for s in seqs])
+                bank.set_plan(scales, b.logits[: b.n] != 0, plan_ubatches(b.seq[: b.n], b.capacity, True))
+            ctx.handle.decode(b)
+            if mask:
+                bank.check()
+
+    base_ctx, bank_ctx, rot_ctx = systems[0].ctx, systems[2].ctx, systems[4].ctx
+    fills = [System("base, one shared batch", base_ctx, lambda c, p, i: fill(c, every, False, False)),
+             System("slot bank, one shared batch (masked)", bank_ctx, lambda c, p, i: fill(c, every, True, False)),
+             System(f"slot bank, {N_ADAPTERS} batches grouped by adapter", bank_ctx,
+                    lambda c, p, i: fill(c, by_adapter, True, False)),
+             System(f"rotation: {N_ADAPTERS} batches, switching adapters", rot_ctx,
+                    lambda c, p, i: fill(c, by_adapter, False, True))]
+    return systems, fills, (model, bank, adapters)
 
 
 def prefill(systems: list[System], n: int) -> None:
@@ -141,23 +175,35 @@ def main() -> None:
     ap.add_argument("--n-ctx", type=int, default=512, help="KV cells per sequence (default 512)")
     ap.add_argument("--context", type=int, default=16, help="positions decoded before timing (default 16)")
     ap.add_argument("--flash-attn", action="store_true", help="flash attention on in every context")
+    ap.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per sequence in the prefill part "
+                    "(default 32; at most 64)")
+    ap.add_argument("--prefill-repeats", type=int, default=10, help="interleaved prefills per system (default 10)")
     args = ap.parse_args()
+    if not 1 <= args.prompt_len <= 512 // N_SEQ:
+        raise SystemExit(f"error: --prompt-len must be 1–{512 // N_SEQ} (8 prompts share one 512-token batch)")
     if args.context + args.repeats + 1 > args.n_ctx:
         raise SystemExit(f"error: --context + --repeats must stay below --n-ctx ({args.n_ctx})")
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="loramux-bank-step-"))
     work.mkdir(parents=True, exist_ok=True)
     info = machine_info(args.threads)
     print_machine(info)
-    systems, _, keep = build(args, work)
+    systems, fills, keep = build(args, work)
     prefill(systems, args.context)
     for it in range(args.repeats):  # interleaved: each round runs one step of every system
         for s in systems:
             s.run(args.context + it, it)
         print(f"\rstep {it + 1}/{args.repeats}", end="", file=sys.stderr, flush=True)
     print(file=sys.stderr)
+    for it in range(args.prefill_repeats + 1):  # the first round only warms up (graph reserve)
+        for f in fills:
+            f.run(0, it)
+            if it == 0:
+                f.times.clear()
     report(systems, args)
+    report_prefill(fills, args)
     dump_json(args.json, {"machine": info, "args": vars(args),
-                          "steps_s": {s.label: s.times for s in systems}})
+                          "steps_s": {s.label: s.times for s in systems},
+                          "prefill_s": {f.label: f.times for f in fills}})
     del keep
 
 
@@ -175,6 +221,19 @@ def report(systems: list[System], args: argparse.Namespace) -> None:
     print(f"bank overhead over the base step: {(bank - base) * 1e3:.1f} ms (wider factors "
           f"{(unmasked - base) * 1e3:.1f} ms, masks {(bank - unmasked) * 1e3:.1f} ms); "
           f"native rank {args.rank}: {(one - base) * 1e3:.1f} ms")
+
+
+def report_prefill(fills: list[System], args: argparse.Namespace) -> None:
+    med = {f.label: median(f.times) for f in fills}
+    shared, grouped, rot = (med[f.label] for f in fills[1:])
+    n_tok = N_SEQ * args.prompt_len
+    rows = [[f.label, f"{med[f.label] * 1e3:.0f}", f"{n_tok / med[f.label]:.0f}", f"{rot / med[f.label]:.2f}×"]
+            for f in fills]
+    print_table(f"prefill of {N_SEQ} prompts × {args.prompt_len} tokens over {N_ADAPTERS} adapters "
+                f"(median of {args.prefill_repeats})", ["system", "ms", "tokens/s", "speed vs rotation"], rows)
+    print(f"\nprefill policy: one shared masked batch is {grouped / shared:.2f}× as fast as the same prompts "
+          f"grouped by adapter through the bank, {rot / shared:.2f}× rotation")
+
 
 if __name__ == "__main__":
     main()
