@@ -83,78 +83,72 @@ def build(args: argparse.Namespace, work: Path) -> tuple[list[System], list[Syst
     opts = ContextOptions(n_ctx=args.n_ctx * N_SEQ, n_batch=512, n_ubatch=512, n_seq_max=N_SEQ,
                           n_threads=args.threads, kv_unified=True, flash_attn=args.flash_attn)
 
-    def tokens(ctx: Any, seqs: range | list[int], pos: int, it: int) -> None:
-        b = ctx.batch
-        b.clear()
-        for s in seqs:
-            b.add([prompt[(it + s) % len(prompt)]], pos, s, True)
-
-    def plain(ctx: Any, pos: int, it: int) -> None:
-        tokens(ctx, range(N_SEQ), pos, it)
-        ctx.handle.decode(ctx.batch)
-
-    def masked(ctx: Any, pos: int, it: int) -> None:
-        tokens(ctx, range(N_SEQ), pos, it)
-        b = ctx.batch
-        scales = token_scales(bank, [(1, [(slot[s % N_ADAPTERS], adapters[s % N_ADAPTERS].scaling)])
-                                     for s in range(N_SEQ)])
-        bank.set_plan(scales, b.logits[: b.n] != 0, plan_ubatches(b.seq[: b.n], b.capacity, True))
-        ctx.handle.decode(b)
-        bank.check()
-
-    def rotate(ctx: Any, pos: int, it: int) -> None:
-        for k, a in enumerate(adapters):
-            ctx.handle.set_adapters([a.handle], [1.0])
-            tokens(ctx, [s for s in range(N_SEQ) if s % N_ADAPTERS == k], pos, it)
-            ctx.handle.decode(ctx.batch)
-
-    def groups_no_switch(ctx: Any, pos: int, it: int) -> None:
-        for k in range(N_ADAPTERS):  # the same four 2-sequence decodes on one adapter: no switch
-            tokens(ctx, [s for s in range(N_SEQ) if s % N_ADAPTERS == k], pos, it)
-            ctx.handle.decode(ctx.batch)
-
-    systems = []
-    for label, cb, loras, step in [
-        ("base (no adapter)", None, [], plain),
-        (f"one adapter (native rank {args.rank})", None, [adapters[0]], plain),
-        (f"slot bank K={N_ADAPTERS}×r{bank.r}, masks", bank.callback, [bank.adapter], masked),
-        ("slot bank, no masks (cost split only)", None, [bank.adapter], plain),
-        ("rotation: 4 sets × 2 sequences", None, [adapters[0]], rotate),
-        ("4 × 2 sequences, no adapter switch", None, [adapters[0]], groups_no_switch),
-    ]:
-        ctx = Context(model, opts, callback=cb)
-        ctx.handle.set_adapters([a.handle for a in loras], [1.0] * len(loras))
-        systems.append(System(label, ctx, step))
-
-    # Prefill of N_SEQ prompts (run after the decode steps: it clears the contexts' KV caches)
-    ptoks = (prompt * (args.prompt_len // len(prompt) + 1))[: args.prompt_len]
     every = [list(range(N_SEQ))]
     by_adapter = [[s for s in range(N_SEQ) if s % N_ADAPTERS == k] for k in range(N_ADAPTERS)]
 
-    def fill(ctx: Any, groups: list[list[int]], mask: bool, switch: bool) -> None:
-        ctx.clear()
+    def decode(ctx: Any, seqs: list[int], n_tok: int, mask: bool) -> None:
+        """Decode the filled batch (n_tok tokens for each of `seqs`), masked through the bank if asked."""
+        b = ctx.batch
+        if mask:
+            scales = token_scales(bank, [(n_tok, [(slot[s % N_ADAPTERS], adapters[s % N_ADAPTERS].scaling)])
+                                         for s in seqs])
+            bank.set_plan(scales, b.logits[: b.n] != 0, plan_ubatches(b.seq[: b.n], b.capacity, True))
+        ctx.handle.decode(b)
+        if mask:
+            bank.check()
+
+    def run(ctx: Any, groups: list[list[int]], mask: bool, switch: bool, fill: Callable[[Any, list[int]], int]
+            ) -> None:
+        """One decode per group of sequences (switching to group k's adapter first if asked)."""
         for k, seqs in enumerate(groups):
             if switch:
                 ctx.handle.set_adapters([adapters[k].handle], [1.0])
-            b = ctx.batch
-            b.clear()
-            for s in seqs:
-                b.add(ptoks, 0, s, [False] * (len(ptoks) - 1) + [True])
-            if mask:
-                scales = token_scales(bank, [(len(ptoks), [(slot[s % N_ADAPTERS], adapters[s % N_ADAPTERS].scaling)])
-                                             for s in seqs])
-                bank.set_plan(scales, b.logits[: b.n] != 0, plan_ubatches(b.seq[: b.n], b.capacity, True))
-            ctx.handle.decode(b)
-            if mask:
-                bank.check()
+            ctx.batch.clear()
+            decode(ctx, seqs, fill(ctx, seqs), mask)
+
+    def step(groups: list[list[int]], mask: bool = False, switch: bool = False) -> Callable[[Any, int, int], None]:
+        def one_token_each(ctx: Any, pos: int, it: int) -> None:
+            def fill(c: Any, seqs: list[int]) -> int:
+                for s in seqs:
+                    c.batch.add([prompt[(it + s) % len(prompt)]], pos, s, True)
+                return 1
+            run(ctx, groups, mask, switch, fill)
+        return one_token_each
+
+    systems = []
+    for label, cb, loras, fn in [
+        ("base (no adapter)", None, [], step(every)),
+        (f"one adapter (native rank {args.rank})", None, [adapters[0]], step(every)),
+        (f"slot bank K={N_ADAPTERS}×r{bank.r}, masks", bank.callback, [bank.adapter], step(every, mask=True)),
+        ("slot bank, no masks (cost split only)", None, [bank.adapter], step(every)),
+        ("rotation: 4 sets × 2 sequences", None, [adapters[0]], step(by_adapter, switch=True)),
+        ("4 × 2 sequences, no adapter switch", None, [adapters[0]], step(by_adapter)),
+    ]:
+        ctx = Context(model, opts, callback=cb)
+        ctx.handle.set_adapters([a.handle for a in loras], [1.0] * len(loras))
+        systems.append(System(label, ctx, fn))
+
+    # Prefill of N_SEQ prompts (run after the decode steps: it clears the contexts' KV caches)
+    ptoks = (prompt * (args.prompt_len // len(prompt) + 1))[: args.prompt_len]
+
+    def prompts(ctx: Any, seqs: list[int]) -> int:
+        for s in seqs:
+            ctx.batch.add(ptoks, 0, s, [False] * (len(ptoks) - 1) + [True])
+        return len(ptoks)
+
+    def prefill_with(groups: list[list[int]], mask: bool, switch: bool) -> Callable[[Any, int, int], None]:
+        def all_prompts(ctx: Any, _pos: int, _it: int) -> None:
+            ctx.clear()
+            run(ctx, groups, mask, switch, prompts)
+        return all_prompts
 
     base_ctx, bank_ctx, rot_ctx = systems[0].ctx, systems[2].ctx, systems[4].ctx
-    fills = [System("base, one shared batch", base_ctx, lambda c, p, i: fill(c, every, False, False)),
-             System("slot bank, one shared batch (masked)", bank_ctx, lambda c, p, i: fill(c, every, True, False)),
+    fills = [System("base, one shared batch", base_ctx, prefill_with(every, False, False)),
+             System("slot bank, one shared batch (masked)", bank_ctx, prefill_with(every, True, False)),
              System(f"slot bank, {N_ADAPTERS} batches grouped by adapter", bank_ctx,
-                    lambda c, p, i: fill(c, by_adapter, True, False)),
+                    prefill_with(by_adapter, True, False)),
              System(f"rotation: {N_ADAPTERS} batches, switching adapters", rot_ctx,
-                    lambda c, p, i: fill(c, by_adapter, False, True))]
+                    prefill_with(by_adapter, False, True))]
     return systems, fills, (model, bank, adapters)
 
 
