@@ -197,9 +197,6 @@ class BenchRunner:
     def close(self) -> None:
         pass
 
-    def restart(self) -> None:
-        pass  # a new process on every run already
-
 
 class ServerRunner:
     """llama.cpp's llama-server with every adapter loaded unapplied; per-request `lora` lists; its own timings."""
@@ -207,7 +204,6 @@ class ServerRunner:
     name = "llama-server"
 
     def __init__(self, model: Path, args: argparse.Namespace, adapters: dict[str, Path]) -> None:
-        self._spawn_args = (model, args, adapters)
         exe = C.peer_binary("llama-server")
         self.ids = {label: i for i, label in enumerate(adapters)}
         self.lora: list[dict[str, Any]] | None = None
@@ -268,10 +264,6 @@ class ServerRunner:
                 self.proc.kill()
                 self.proc.wait()
 
-    def restart(self) -> None:
-        self.close()
-        self.__init__(*self._spawn_args)  # type: ignore[misc]
-
 
 class ProcRunner:
     """A LoramuxRunner or LlamaRunner in a worker process of its own, driven over a pipe."""
@@ -279,7 +271,6 @@ class ProcRunner:
     def __init__(self, name: str, model: Path, args: argparse.Namespace, adapters: dict[str, Path],
                  log_dir: Path) -> None:
         self.name = name
-        self._spawn_args = (model, args, adapters, log_dir)
         self.log = log_dir / f"worker-{name}.log"  # llama.cpp's chatter; shown if the worker fails
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", name, "--model", str(model),
                "--threads", str(args.threads), "--n-ctx", str(args.n_ctx), "--n-batch", str(args.n_batch),
@@ -320,11 +311,6 @@ class ProcRunner:
         if self.proc.poll() is None:
             self._call(op="close")
             self.proc.wait(30)
-
-    def restart(self) -> None:
-        """A fresh worker process (same settings): new memory placement, new luck."""
-        self.close()
-        self.__init__(self.name, *self._spawn_args)  # type: ignore[misc]
 
 
 WORKERS: dict[str, Callable[..., Any]] = {"loramux": LoramuxRunner, "Llama": LlamaRunner}
@@ -464,12 +450,13 @@ def make_adapters(model: Path, ranks: list[int], work: Path) -> dict[str, Path]:
 Results = dict[str, dict[str, dict[str, list[float]]]]  # [adapter row][system]['pp'|'tg'] -> per-round tok/s
 
 
-def measure(runners: list[Any], labels: list[str | None], args: argparse.Namespace, n_vocab: int,
-            bos: int) -> Results:
+def measure(runners: list[Any], makers: list[Callable[[], Any]], labels: list[str | None],
+            args: argparse.Namespace, n_vocab: int, bos: int) -> Results:
     """Every (adapter row, system) pair once per round, rows and systems in a rotated order.
 
     All pairs of a round run within a minute or two, so per-round ratios compare like with like
-    even when the machine's load drifts between rounds.
+    even when the machine's load drifts between rounds. Every `--fresh-every` rounds each runner
+    is closed and replaced by a new one from `makers` (in place in `runners`, which the caller closes).
     """
     keys = [label or "none" for label in labels]
     results: Results = {k: {r.name: {"pp": [], "tg": []} for r in runners} for k in keys}
@@ -479,9 +466,10 @@ def measure(runners: list[Any], labels: list[str | None], args: argparse.Namespa
         _warm_up(r, labels, warm)
     for i in C.progress(range(args.repeats), "rounds"):
         if args.fresh_every and i and i % args.fresh_every == 0:
-            for r in runners:  # one process's memory-placement luck must not bias a whole run
-                r.restart()
-                _warm_up(r, labels, warm)
+            for idx, make in enumerate(makers):  # one process's memory placement must not bias a run
+                runners[idx].close()
+                runners[idx] = make()
+                _warm_up(runners[idx], labels, warm)
         tokens = [bos] + rng.integers(10, n_vocab - 10, args.n_prompt - 1).tolist()
         for j in range(len(labels)):
             label = labels[(i + j) % len(labels)]
@@ -598,12 +586,13 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(args.work_dir or tmp)
         work.mkdir(parents=True, exist_ok=True)
         adapters = make_adapters(model, ranks, work)
-        runners: list[Any] = [ProcRunner("loramux", model, args, adapters, work)]
-        runners += [] if args.no_llama else [ProcRunner("Llama", model, args, adapters, work)]
-        runners += [] if args.no_bench else [BenchRunner(model, args, adapters)]
-        runners += [] if args.no_server else [ServerRunner(model, args, adapters)]
+        makers: list[Callable[[], Any]] = [lambda: ProcRunner("loramux", model, args, adapters, work)]
+        makers += [] if args.no_llama else [lambda: ProcRunner("Llama", model, args, adapters, work)]
+        makers += [] if args.no_bench else [lambda: BenchRunner(model, args, adapters)]
+        makers += [] if args.no_server else [lambda: ServerRunner(model, args, adapters)]
+        runners = [make() for make in makers]
         try:
-            results = measure(runners, [None, *adapters], args, runners[0].hello["n_vocab"],
+            results = measure(runners, makers, [None, *adapters], args, runners[0].hello["n_vocab"],
                               runners[0].hello["bos"])
         finally:
             for r in runners:
