@@ -66,10 +66,10 @@ class System:
 
 
 def build(args: argparse.Namespace, work: Path) -> tuple[list[System], list[System], Any]:
-    from loramux.adapters import LoRAAdapter
-    from loramux.bank import SlotBank, plan_ubatches, token_scales
+    from loramux.engine.adapters import LoRAAdapter
+    from loramux.engine.bank import SlotBank, plan_ubatches, token_scales
+    from loramux.engine.model import Context, ContextOptions, Model
     from loramux.gguf_io import read_header
-    from loramux.model import Context, ContextOptions, Model
 
     path = model_path(args.model)
     model = Model(path)

@@ -89,7 +89,7 @@ class LoramuxRunner:
 
         req = self.eng.submit(tokens, loras=self.loras, max_tokens=max_tokens, temperature=0.0,
                               ignore_eos=True, on_event=on_event)
-        from loramux.runtime import TextStream
+        from loramux.engine.runtime import TextStream
 
         comp = TextStream(req).consume()  # the caller side of Engine.generate
         if comp.completion_tokens != max_tokens:
@@ -358,16 +358,16 @@ PROFILED = (  # (module attribute path, label): the pieces of one engine-loop it
     ("loramux._native.SamplerHandle.sample", "sampler.sample (native)"),
     ("loramux._native.SamplerHandle.accept", "sampler.accept (native)"),
     ("loramux._native.ModelHandle.token_bytes", "token_bytes"),
-    ("loramux.generate.TextAssembler.feed", "TextAssembler.feed"),
-    ("loramux.scheduler.Request.emit", "Request.emit (queue put + callback)"),
-    ("loramux.scheduler.Scheduler._fill_batch", "Scheduler._fill_batch"),
-    ("loramux.scheduler.Scheduler._apply", "Scheduler._apply (set_adapters check)"),
-    ("loramux.scheduler.Scheduler._pick_group", "Scheduler._pick_group"),
-    ("loramux.scheduler.Scheduler._drop_cancelled", "Scheduler._drop_cancelled"),
-    ("loramux.scheduler.Scheduler._admit", "Scheduler._admit"),
-    ("loramux.scheduler.Scheduler.step", "Scheduler.step (total)"),
-    ("loramux.runtime.Engine._run_commands", "Engine._run_commands (poll)"),
-    ("loramux.runtime.Engine._free_retired", "Engine._free_retired"),
+    ("loramux.engine.sampling.TextAssembler.feed", "TextAssembler.feed"),
+    ("loramux.engine.scheduler.Request.emit", "Request.emit (queue put + callback)"),
+    ("loramux.engine.scheduler.Scheduler._fill_batch", "Scheduler._fill_batch"),
+    ("loramux.engine.scheduler.Scheduler._apply", "Scheduler._apply (set_adapters check)"),
+    ("loramux.engine.scheduler.Scheduler._pick_group", "Scheduler._pick_group"),
+    ("loramux.engine.scheduler.Scheduler._drop_cancelled", "Scheduler._drop_cancelled"),
+    ("loramux.engine.scheduler.Scheduler._admit", "Scheduler._admit"),
+    ("loramux.engine.scheduler.Scheduler.step", "Scheduler.step (total)"),
+    ("loramux.engine.runtime.Engine._run_commands", "Engine._run_commands (poll)"),
+    ("loramux.engine.runtime.Engine._free_retired", "Engine._free_retired"),
 )
 
 

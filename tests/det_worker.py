@@ -15,7 +15,7 @@ import numpy as np
 
 import loramux as lm
 from loramux import _native as N
-from loramux.model import Context, ContextOptions
+from loramux.engine.model import Context, ContextOptions
 
 
 def main() -> None:

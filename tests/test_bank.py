@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 from tinymodel import random_factors
 
-from loramux.adapters import LoRAAdapter
-from loramux.bank import SlotBank, token_scales
+from loramux.engine.adapters import LoRAAdapter
+from loramux.engine.bank import SlotBank, token_scales
+from loramux.engine.model import Context, ContextOptions, Model
 from loramux.errors import BackendError
 from loramux.gguf_io import write_adapter
-from loramux.model import Context, ContextOptions, Model
 
 K, R = 4, 4
 PROMPTS = ["the cat sat on the mat", "a dog ran in the big red", "hello world it was", "we and you and she"]

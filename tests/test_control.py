@@ -179,7 +179,8 @@ def test_several_vectors_summed_equal_one_summed_file(engine, tmp_path, capsys):
                                                   (ControlVector.load(tmp_path / "b.gguf"), -3.0)])
     assert ControlSetting.from_any(engine, two, 2.0) == doubled  # ×2 is exact in float32
     assert ControlSetting.from_any(engine, two, 1.0, (2, 2)).layers == (2, 2)
-    from loramux.cli import apply_control_args, build_parser
+    from loramux.cli import build_parser
+    from loramux.cli.common import apply_control_args
     args = build_parser().parse_args(["run", "-p", "x", "--control-vector", f"{tmp_path / 'a.gguf'}:0.5",
                                       "--control-vector", f"{tmp_path / 'b.gguf'}:-1.5"])
     apply_control_args(engine, args)

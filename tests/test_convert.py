@@ -486,7 +486,7 @@ def test_bad_merge_input(tmp_path):
 def _cli(argv: list[str]) -> int:
     import argparse
 
-    from loramux.cli_convert import add_parsers
+    from loramux.cli.convert import add_parsers
 
     parser = argparse.ArgumentParser()
     add_parsers(parser.add_subparsers())
@@ -495,7 +495,7 @@ def _cli(argv: list[str]) -> int:
 
 
 def test_cli_lora_argument():
-    from loramux.cli_convert import parse_lora_arg
+    from loramux.cli.convert import parse_lora_arg
 
     assert parse_lora_arg("a.gguf") == ("a.gguf", 1.0)
     assert parse_lora_arg("a.gguf:0.5") == ("a.gguf", 0.5)

@@ -132,7 +132,7 @@ def test_alora_applies_only_from_invocation(engine, tiny_dir, tmp_path):
     got = engine.generate(prompt, max_tokens=10, loras={"al": 1.0})
     assert got.alora == {"al": True}
     # reference: prefix without the adapter, then the rest with it, on one context
-    from loramux.model import Context, ContextOptions
+    from loramux.engine.model import Context, ContextOptions
 
     def ref() -> list[int]:
         ctx = Context(engine.model, ContextOptions(n_ctx=256, n_batch=64, n_threads=2))

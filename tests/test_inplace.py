@@ -11,8 +11,8 @@ from conftest import PROMPT, max_diff
 from tinymodel import random_factors, write_tiny_lora
 
 import loramux as lm
-from loramux import factor_stage
-from loramux.model import Context, ContextOptions
+from loramux.engine import factor_stage
+from loramux.engine.model import Context, ContextOptions
 
 
 @pytest.fixture(params=["mirror", "direct"])

@@ -281,7 +281,7 @@ def test_concurrent_pull_from_another_process(server: Server) -> None:
     data = fake_gguf()
     server.add("/proc.gguf", data, chunk_delay=0.03)
     url = server.url("/proc.gguf")
-    env = {**os.environ, "PYTHONPATH": str(Path(loramux.sources.__file__).parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(Path(loramux.sources.__file__).parents[2])}
     code = "import sys; from loramux.sources import resolve; print(resolve(sys.argv[1]))"
     proc = subprocess.Popen([sys.executable, "-c", code, url], env=env, stdout=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 10

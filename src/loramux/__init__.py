@@ -32,8 +32,9 @@ __version__ = "0.1.0"
 # The engine pulls in llama.cpp; conversion, sources and GGUF I/O do not. Import lazily so
 # `loramux convert` and friends work (and start fast) without touching the native library.
 _LAZY = {
-    "Engine": "runtime", "LoraSpec": "runtime", "TextStream": "runtime",
-    "LoRAAdapter": "adapters", "Model": "model", "Completion": "generate", "SamplingParams": "generate",
+    "Engine": "engine.runtime", "LoraSpec": "engine.runtime", "TextStream": "engine.runtime",
+    "LoRAAdapter": "engine.adapters", "Model": "engine.model",
+    "Completion": "engine.sampling", "SamplingParams": "engine.sampling",
     "ControlVector": "control",
     "Source": "sources", "resolve": "sources", "CancelToken": "sources",
     "convert_peft": "convert", "export_peft": "convert", "merge": "merging",

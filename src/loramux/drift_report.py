@@ -8,11 +8,9 @@ gives the whole report for CI.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import os
-import sys
 import textwrap
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -147,8 +145,8 @@ def drift(engine_or_model_path: Any = None, lora: str | os.PathLike[str] | None 
     `lora`: a path/URL, or the name of an adapter loaded in the given engine. `prompts`: a list of
     prompts, a file (one per line), or None for the builtin golden set.
     """
+    from .engine.registry import check_scale
     from .probes import _progress, open_engine
-    from .registry import check_scale
 
     if lora is None:
         raise ParameterError("lora", "drift needs an adapter", hint="pass --lora SRC (path, URL or hf://)")
@@ -186,40 +184,6 @@ def _drift_one(eng: Any, text: str, on: dict[str, float], max_tokens: int) -> Dr
     base_text = eng.generate(toks, loras={}, **gen).text if max_tokens else ""
     adapter_text = eng.generate(toks, loras=on, **gen).text if max_tokens else ""
     return DriftItem(text, len(toks), float(kl.mean()), float(kl.max()), agree, base_text, adapter_text)
-
-
-# ------------------------------------------------------------------------------------------ CLI
-def cmd_drift(args: argparse.Namespace) -> int:
-    from .runtime import LoraSpec
-
-    if len(args.lora) != 1:
-        raise ParameterError("--lora", "drift compares the base with one adapter: give --lora SRC exactly once")
-    spec = LoraSpec.parse(args.lora[0])
-    scale = args.scale if args.scale is not None else spec.scale
-    result = drift(args.model, spec.source, scale=scale, prompts=args.prompts, max_tokens=args.max_tokens,
-                   threads=args.threads, n_gpu_layers=args.gpu_layers, n_ctx=args.n_ctx)
-    sys.stdout.write(result.to_json() if args.json else result.table())
-    return 0
-
-
-def add_drift_parser(sub: Any) -> None:
-    """Register `loramux drift` (called by probe.add_parsers)."""
-    from .cli import add_model_args
-
-    p = sub.add_parser(
-        "drift", help="how far an adapter moves the base model on golden prompts (KL, top-1, continuations)",
-        description="Per golden prompt: KL(base ‖ adapter) of the next-token distributions along the prompt "
-                    "(mean over positions), top-1 agreement, and both greedy continuations side by side.",
-        epilog="examples:\n  loramux drift --lora style.gguf\n  loramux drift --lora style.gguf --scale 0.5 --json\n"
-               "  loramux drift base.gguf --lora a.gguf --prompts my_prompts.txt --max-tokens 48",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_args(p)
-    p.add_argument("--scale", type=float, default=None, help="adapter scale (default: SRC's :SCALE suffix, else 1.0)")
-    p.add_argument("--prompts", default=None, metavar="FILE",
-                   help="prompts, one per line (# comments, \\n for newlines); default: the builtin golden set")
-    p.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per continuation (default 32; 0: none)")
-    p.add_argument("--json", action="store_true", help="print the report as JSON (for CI)")
-    p.set_defaults(func=cmd_drift)
 
 
 __all__ = ["drift", "DriftResult", "DriftItem", "golden_prompts", "kl_rows", "log_softmax"]

@@ -159,7 +159,7 @@ class ServerSettings:
     # ------------------------------------------------------------------ engine
     def build_engine(self) -> Any:
         """Load the base model and the start adapters (loaded, not in the global set unless `apply`)."""
-        from ..runtime import Engine
+        from ..engine.runtime import Engine
 
         eng = Engine.load(self.model, n_ctx=self.n_ctx, n_parallel=self.parallel, n_batch=self.n_batch,
                           n_threads=self.threads, n_gpu_layers=self.gpu_layers, slots=self.slots,

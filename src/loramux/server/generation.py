@@ -14,7 +14,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import Request as HTTPRequest
 
@@ -22,9 +22,7 @@ from ..errors import ContextLengthError
 from .errors import APIError, from_exception
 from .pool import Entry
 from .schemas import ChatRequest, CompletionRequest, SamplingFields
-
-if TYPE_CHECKING:
-    from .app import ServerState
+from .state import ServerState
 
 
 @dataclass
@@ -53,7 +51,10 @@ class Job:
             self.request.cancelled.set()  # nobody reads it any more: free its sequence
         self.state.pool.release(self.entries)
         if record:
-            self.state.record(self, status, completion)
+            self.state.record(self.model, status, started=self.started,
+                              first_token_at=getattr(self.request, "first_token_at", None),
+                              prompt_tokens=len(self.prompt),
+                              generated_tokens=None if completion is None else len(completion.tokens))
 
 
 def sampling_args(body: SamplingFields, n_prompt: int, n_ctx: int, chat: bool) -> dict[str, Any]:

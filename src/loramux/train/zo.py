@@ -436,7 +436,7 @@ def train_zo(engine_or_model: Any, data: DataArg, out: str | os.PathLike[str], *
 def _engine(engine_or_model: Any, n_ctx: int, n_threads: int | None) -> tuple[Any, bool]:
     if hasattr(engine_or_model, "loss_sum") and hasattr(engine_or_model, "load_lora"):
         return engine_or_model, False
-    from ..runtime import Engine
+    from ..engine.runtime import Engine
 
     return Engine.load(engine_or_model, n_ctx=n_ctx, n_threads=n_threads), True
 

@@ -18,10 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from . import _native as N
-from .errors import AdapterError, BackendError, FactorError
-from .factor_stage import BF16, STORE, TYPE_NAME, FactorStage, FactorTensors, Mirror, from_bf16_bits
-from .gguf_io import (
+from .. import _native as N
+from ..errors import AdapterError, BackendError, FactorError
+from ..gguf_io import (
     LORA_A,
     LORA_B,
     AdapterFileInfo,
@@ -30,6 +29,7 @@ from .gguf_io import (
     validate_adapter,
     write_adapter,
 )
+from .factor_stage import BF16, STORE, TYPE_NAME, FactorStage, FactorTensors, Mirror, from_bf16_bits
 from .model import Context, ContextOptions, Model
 
 _uid = itertools.count(1)

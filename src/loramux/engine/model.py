@@ -16,9 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
-from . import _native as N
-from .errors import ContextLengthError, ModelError
-from .gguf_io import GGUFFormatError, GGUFHeader, read_header, sha256_file
+from .. import _native as N
+from ..errors import ContextLengthError, ModelError
+from ..gguf_io import GGUFFormatError, GGUFHeader, read_header, sha256_file
 
 
 @dataclass(frozen=True)

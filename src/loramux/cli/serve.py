@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .errors import ParameterError
+from ..errors import ParameterError
 
 log = logging.getLogger("loramux.server")
 
@@ -95,8 +95,8 @@ EXAMPLE_ADAPTER = Path(__file__).parent / "data" / "pirate.gguf"
 
 def settings_from_args(args: argparse.Namespace) -> Any:
     """ServerSettings from --config (if any) with the command-line options on top."""
-    from .runtime import LoraSpec, adapter_name
-    from .server.config import ControlEntry, LoraEntry, ServerSettings
+    from ..engine.runtime import LoraSpec, adapter_name
+    from ..server.config import ControlEntry, LoraEntry, ServerSettings
 
     base = ServerSettings.from_toml(args.config) if args.config else ServerSettings()
     loras = []
@@ -123,7 +123,7 @@ def settings_from_args(args: argparse.Namespace) -> Any:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from .server.app import create_app
+    from ..server.app import create_app
 
     settings = settings_from_args(args)
     if settings.host not in LOOPBACK and not settings.api_key:

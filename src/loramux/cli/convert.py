@@ -59,7 +59,7 @@ def parse_lora_arg(text: str) -> tuple[str, float]:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from .convert import convert_peft
+    from ..convert import convert_peft
 
     rep = convert_peft(args.peft_dir, args.base, args.output, outtype=args.outtype, dry_run=args.dry_run,
                        progress=args.progress or None)
@@ -68,7 +68,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from .convert import export_peft
+    from ..convert import export_peft
 
     out = export_peft(args.adapter, args.out_dir, args.base_model, base=args.base)
     print(f"wrote {out}/adapter_config.json and {out}/adapter_model.safetensors")
@@ -79,14 +79,14 @@ def _local(src: str) -> str:
     # Remote adapters (https://, hf://) are fetched into the cache first; local paths go to merge
     # unchanged so that a missing file is reported together with every other problem.
     if src.startswith(("http://", "https://", "hf://")):
-        from .sources import resolve
+        from ..sources import resolve
 
         return str(resolve(src))
     return src
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
-    from .merging import merge
+    from ..merging import merge
 
     loras = [parse_lora_arg(s) for s in args.lora]
     loras = [(_local(src), scale) for src, scale in loras]

@@ -12,8 +12,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..errors import AdapterNotFoundError, ParameterError, ScaleError
 from .adapters import LoRAAdapter
-from .errors import AdapterNotFoundError, ParameterError, ScaleError
 
 LoraArg = Mapping[str, float] | Sequence[Any] | None
 

@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import ParameterError
+from ..errors import ParameterError
 
 
 @dataclass(frozen=True)

@@ -21,11 +21,11 @@ from urllib.parse import unquote, urljoin, urlsplit, urlunsplit
 
 import httpx
 
-from .config import cache_dir as _config_cache_dir
-from .errors import ChecksumError, DownloadCancelled, DownloadError
+from ..config import cache_dir as _config_cache_dir
+from ..errors import ChecksumError, DownloadCancelled, DownloadError
 
 if TYPE_CHECKING:
-    from .sources import CancelToken, Source, SourceOptions
+    from . import CancelToken, Source, SourceOptions
 
 MAX_REDIRECTS = 10
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")

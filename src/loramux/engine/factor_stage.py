@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _native as N
+from .. import _native as N
 
 BF16 = 30
 STORE = {0: np.float32, 1: np.float16, BF16: np.uint16}  # ggml type → numpy storage dtype

@@ -53,14 +53,14 @@ def _parallel(eng: Any, prompt: list[int], n: int, k: int) -> float:
 
 
 def _run_mode(opts: dict[str, Any]) -> dict[str, float]:
-    r = subprocess.run([sys.executable, "-m", "loramux.cli_bench", json.dumps(opts)], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "loramux.cli.bench", json.dumps(opts)], capture_output=True, text=True)
     if r.returncode != 0:
         raise SystemExit(f"benchmark worker failed:\n{r.stderr[-2000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .config import default_model_path
+    from ..config import default_model_path
 
     base = {"model": str(args.model or default_model_path()), "loras": args.lora, "n_ctx": args.n_ctx,
             "parallel": args.parallel, "threads": args.threads, "tokens": args.tokens, "repeats": args.repeats,

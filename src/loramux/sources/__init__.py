@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import unquote, urlsplit, urlunsplit
 
-from .download import (
+from ..errors import ChecksumError, DownloadCancelled, DownloadError, ParameterError, SourceError
+from .http import (
     TqdmProgress,
     _not_gguf_message,
     _raise_if_cancelled,
@@ -36,7 +37,6 @@ from .download import (
     tqdm_progress,
     url_cache_path,
 )
-from .errors import ChecksumError, DownloadCancelled, DownloadError, ParameterError, SourceError
 
 __all__ = [
     "CancelToken", "Source", "SourceOptions", "TqdmProgress", "default_cache_dir", "pull", "resolve",
@@ -50,7 +50,7 @@ ProgressCallback = Callable[[int, "int | None"], None]
 ACCEPTED_FORMS = ("accepted forms: a local path (relative, absolute, ~/..., file:///...), an http(s):// URL "
                   "(optionally ending in #sha256=<64 hex>), or hf://owner/repo/path/in/repo.gguf[@revision]")
 MAX_REDIRECTS = 10
-_POLICIES = ("use", "revalidate", "refresh")
+POLICIES = ("use", "revalidate", "refresh")
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 _HEX64 = re.compile(r"^[0-9a-fA-F]{64}$")
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
@@ -220,8 +220,8 @@ pull = resolve  # the CLI verb; same behaviour
 
 
 def _check_options(opts: SourceOptions) -> None:
-    if opts.policy not in _POLICIES:
-        raise ParameterError("policy", f"must be one of {', '.join(_POLICIES)}, not {opts.policy!r}")
+    if opts.policy not in POLICIES:
+        raise ParameterError("policy", f"must be one of {', '.join(POLICIES)}, not {opts.policy!r}")
     if opts.retries < 0:
         raise ParameterError("retries", f"must be >= 0, not {opts.retries}")
     if not opts.timeout > 0:
@@ -365,42 +365,3 @@ def _hf_cache_dir() -> str | None:
     return None  # huggingface_hub's own default
 
 
-
-# ---------------------------------------------------------------------------------------------- CLI
-
-
-def _cmd_pull(args: Any) -> int:
-    src = Source.parse(args.source)
-    bar = None if args.quiet or src.kind == "path" else tqdm_progress(f"pull {src}")
-    try:
-        path = resolve(src, sha256=args.sha256, policy=args.policy, retries=args.retries,
-                       timeout=args.timeout, progress=bar,
-                       **({"cache_dir": args.cache_dir} if args.cache_dir else {}),
-                       **({"token": args.token} if args.token else {}))
-    finally:
-        if bar is not None:
-            bar.close()
-    print(path)
-    return 0
-
-
-def add_parsers(sub: Any) -> None:
-    """Register `loramux pull`."""
-    p = sub.add_parser(
-        "pull", help="download an adapter (path, https:// URL or hf://) into the cache and print its path",
-        description="Resolve SRC to a verified local file: downloads resume after an interruption, are "
-                    "checked (size, GGUF magic, optional sha256 pin) before they get their final name, and "
-                    "are reused from the cache afterwards.",
-        epilog="examples:\n  loramux pull https://example.org/style.gguf#sha256=<64 hex>\n"
-               "  loramux pull hf://owner/repo/adapters/style.gguf@v1.0\n  loramux pull ./local.gguf",
-        formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
-    p.add_argument("source", help="path, http(s):// URL (optionally #sha256=...), or hf://owner/repo/file[@rev]")
-    p.add_argument("--sha256", default=None, help="expected sha256 of the file (hex)")
-    p.add_argument("--policy", choices=_POLICIES, default="use",
-                   help="use: reuse a cached file (default); revalidate: ask the server; refresh: download again")
-    p.add_argument("--retries", type=int, default=4, help="retries on connection errors and 5xx (default 4)")
-    p.add_argument("--timeout", type=float, default=30.0, help="network timeout in seconds (default 30)")
-    p.add_argument("--cache-dir", default=None, help="cache root (default $LORAMUX_CACHE or ~/.cache/loramux)")
-    p.add_argument("--token", default=None, help="bearer token sent to the source's host only")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(func=_cmd_pull)

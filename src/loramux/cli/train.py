@@ -6,7 +6,8 @@ import argparse
 import sys
 from typing import Any
 
-from .zo import DEFAULT_TARGETS, ZOConfig
+from ..train.zo import DEFAULT_TARGETS, ZOConfig
+from .common import add_model_args, engine_from_args
 
 EPILOG = """\
 data (JSONL, one object per line; formats may be mixed):
@@ -27,8 +28,6 @@ The trained adapter is an ordinary llama.cpp LoRA GGUF (F32): it loads with --lo
 
 def add_parsers(sub: Any) -> None:
     """Register `loramux train zo`."""
-    from ..cli import add_model_args
-
     train = sub.add_parser("train", help="train adapters on the (quantized) base model, forward-only",
                            description="Train adapters without backpropagation.")
     tsub = train.add_subparsers(dest="train_command", metavar="METHOD")
@@ -81,8 +80,7 @@ def _no_method(parser: argparse.ArgumentParser) -> int:
 
 def cmd_train_zo(args: argparse.Namespace) -> int:
     """Run `loramux train zo` and print a summary."""
-    from ..cli import engine_from_args
-    from .zo import train_zo
+    from ..train.zo import train_zo
 
     eng = engine_from_args(args)
     try:

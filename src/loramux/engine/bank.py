@@ -26,10 +26,10 @@ from typing import Any
 
 import numpy as np
 
-from . import _native as N
+from .. import _native as N
+from ..errors import BackendError, LoramuxError
+from ..gguf_io import write_adapter
 from .adapters import LoRAAdapter
-from .errors import BackendError, LoramuxError
-from .gguf_io import write_adapter
 from .model import Model
 
 PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")

@@ -17,12 +17,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import _native as N
+from .. import _native as N
+from ..errors import BackendError, LoramuxError
 from .bank import SlotBank, plan_ubatches, token_scales
-from .errors import BackendError, LoramuxError
-from .generate import Completion, SamplingParams, TextAssembler
 from .model import Context, Model
 from .registry import AdapterSet
+from .sampling import Completion, SamplingParams, TextAssembler
 
 _ids = itertools.count(1)
 GROUP_RUN_STEPS = 8  # steps a group keeps the context before another waiting group gets it

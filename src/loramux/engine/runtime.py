@@ -19,14 +19,14 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from . import _native as N
-from . import config
+from .. import _native as N
+from .. import config
+from ..errors import AdapterError, EngineClosedError, LoramuxError, ParameterError
 from .adapters import LoRAAdapter
 from .bank import SlotBank
-from .errors import AdapterError, EngineClosedError, LoramuxError, ParameterError
-from .generate import Completion, SamplingParams, fallback_template, render_chat
 from .model import Context, ContextOptions, Model, default_threads
 from .registry import AdapterSet, LoraArg, Registry, check_scale
+from .sampling import Completion, SamplingParams, fallback_template, render_chat
 from .scheduler import Phase, Request, Scheduler
 
 T = TypeVar("T")
@@ -320,7 +320,7 @@ class Engine:
     def set_control_vector(self, cv: Any, strength: float = 1.0, layers: tuple[int, int] | None = None) -> None:
         """Apply control vector(s) to every request that does not choose its own: a ControlVector or path,
         a list of them or of (vector|path, strength) pairs (summed), or a ControlSetting."""
-        from .control import ControlSetting
+        from ..control import ControlSetting
 
         setting = ControlSetting.from_any(self.model, cv, strength, layers)
         self.call(lambda: setattr(self, "control", setting))
@@ -445,7 +445,7 @@ class Engine:
 
     def _eval_opts_check(self, n: int) -> None:
         if n > self.n_ctx:
-            from .errors import ContextLengthError
+            from ..errors import ContextLengthError
             raise ContextLengthError(n, self.n_ctx)
 
     def _prepare_eval(self, loras: LoraArg, control: Any) -> Context:
@@ -576,7 +576,7 @@ def _resolve(src: str, **options: Any) -> Path:
     if p.is_file() and not options:
         return p
     try:
-        from .sources import resolve
+        from ..sources import resolve
     except ImportError:  # pragma: no cover
         return p
     return Path(resolve(src, **options))

@@ -1,0 +1,50 @@
+"""Options shared by the commands that open an engine: the model, adapters, context, threads, control vectors."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def add_model_args(p: argparse.ArgumentParser, *, loras: bool = True) -> None:
+    """MODEL, --lora, --n-ctx, --threads, --gpu-layers: shared by run, serve, probe, train..."""
+    p.add_argument("model", nargs="?", default=None, metavar="MODEL",
+                   help="base GGUF model (default: the embedded Gemma 3 270M Q4_K_M)")
+    if loras:
+        p.add_argument("--lora", action="append", default=[], metavar="SRC[:SCALE]",
+                       help="adapter to apply (repeatable; stacked in order). SRC: path, https:// URL or "
+                            "hf://owner/repo/file.gguf[@rev]; optional :SCALE (default 1.0); NAME=SRC names it")
+    p.add_argument("--n-ctx", type=int, default=2048, help="context length in tokens (default 2048)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all available)")
+    p.add_argument("--gpu-layers", type=int, default=0, help="layers to offload to a GPU build (default 0)")
+    p.add_argument("--no-mmap", action="store_true", help="read the model into memory instead of mapping it")
+
+
+def engine_from_args(args: argparse.Namespace, **extra: Any) -> Any:
+    """Build an Engine from the shared options."""
+    from ..engine.runtime import Engine, LoraSpec
+
+    specs = [LoraSpec.parse(s) for s in getattr(args, "lora", [])]
+    return Engine.load(args.model, loras=specs, n_ctx=args.n_ctx, n_threads=args.threads,
+                       n_gpu_layers=args.gpu_layers, use_mmap=not args.no_mmap, **extra)
+
+
+def add_control_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--control-vector", action="append", default=[], metavar="FILE[:STRENGTH]",
+                   help="control vector GGUF to add to the residual stream (repeatable; summed)")
+    p.add_argument("--control-vector-layers", default=None, metavar="A-B",
+                   help="apply control vectors only to layers A..B (inclusive, 1-based)")
+
+
+def apply_control_args(engine: Any, args: argparse.Namespace) -> None:
+    if not getattr(args, "control_vector", None):
+        return
+    from ..control import ControlSetting, ControlVector, parse_layers
+    from ..engine.runtime import LoraSpec
+
+    pairs = []
+    for text in args.control_vector:
+        spec = LoraSpec.parse(text)
+        pairs.append((ControlVector.load(spec.source), spec.scale))
+    setting = ControlSetting.build(engine.model, pairs, parse_layers(args.control_vector_layers))
+    engine.call(lambda: setattr(engine, "control", setting))

@@ -1,0 +1,93 @@
+"""What the server's routes share: the engine, the settings, the adapter pool, control vectors, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from typing import Any
+
+from ..control import ControlSetting, ControlVector, parse_layers
+from .config import ServerSettings
+from .errors import APIError
+from .metrics import Metrics
+from .pool import AdapterPool
+from .schemas import ControlRef
+
+UNKNOWN = "_unknown_"  # metrics label for model names that are not served (keeps label sets bounded)
+CONTROL_CACHE = 64
+
+
+class ServerState:
+    """What the routes share: engine, settings, adapter table, control vectors, metrics."""
+
+    def __init__(self, engine: Any, settings: ServerSettings, base_name: str) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.base_name = base_name
+        self.started = int(time.time())
+        self.pool = AdapterPool(engine, settings, base_name)
+        self.metrics = Metrics(self.snapshot)
+        self.controls = _load_controls(settings)
+        self._control_cache: OrderedDict[tuple[str, float], Any] = OrderedDict()
+
+    # -- metrics ------------------------------------------------------------------------------
+    def snapshot(self) -> dict[str, Any]:
+        s = self.engine.scheduler.snapshot()
+        resident = [e.name for e in self.pool.resident()]
+        waiting = set(s["waiting_adapters"]) - set(resident)
+        s.update(resident=resident, known=len(self.pool.entries), waiting_not_resident=sorted(waiting),
+                 max_lora=self.settings.max_loaded or max(1, len(resident)), evictions=self.pool.evictions,
+                 loads=dict(self.pool.loads))
+        return s
+
+    def label(self, model: str | None) -> str:
+        if model is None or model == self.base_name:
+            return self.base_name
+        return model if model in self.pool.entries else UNKNOWN
+
+    def record(self, model: str | None, status: int, *, started: float, first_token_at: float | None = None,
+               prompt_tokens: int = 0, generated_tokens: int | None = None) -> None:
+        """Count one finished request: status, latency, time to first token, tokens (when it completed)."""
+        m, label = self.metrics, self.label(model)
+        m.requests.labels(label, str(status)).inc()
+        m.e2e.labels(label).observe(time.monotonic() - started)
+        if first_token_at is not None:
+            m.ttft.labels(label).observe(max(0.0, first_token_at - started))
+        if generated_tokens is not None:
+            m.prompt_tokens.labels(label).inc(prompt_tokens)
+            m.generation_tokens.labels(label).inc(generated_tokens)
+
+    # -- control vectors ----------------------------------------------------------------------
+    async def control_setting(self, ref: ControlRef | None) -> Any:
+        """The engine's control setting for a request: "default" (engine's own) unless it names one."""
+        if ref is None:
+            return None
+        if ref.name not in self.controls:
+            known = ", ".join(sorted(self.controls)) or "none loaded (start the server with --control-vector)"
+            raise APIError(404, f"no control vector named {ref.name!r} (loaded: {known})",
+                           code="control_vector_not_found", param="control_vector")
+        key = (ref.name, float(ref.strength))
+        if key not in self._control_cache:
+            vec, layers = self.controls[ref.name]
+            setting = await asyncio.to_thread(ControlSetting.build, self.engine.model, [(vec, ref.strength)], layers)
+            self._control_cache[key] = setting
+            while len(self._control_cache) > CONTROL_CACHE:
+                self._control_cache.popitem(last=False)
+        self._control_cache.move_to_end(key)
+        return self._control_cache[key]
+
+    def healthy(self) -> bool:
+        return not self.engine.closed
+
+
+def _load_controls(settings: ServerSettings) -> dict[str, tuple[Any, Any]]:
+    if not settings.control_vectors:
+        return {}
+    out = {}
+    for c in settings.control_vectors:
+        out[c.name] = (ControlVector.load(c.path), parse_layers(c.layers or settings.control_vector_layers))
+    return out
+
+
+__all__ = ["CONTROL_CACHE", "UNKNOWN", "ServerState"]
