@@ -1,0 +1,6 @@
+"""The engine: one base model, its adapters and the engine thread that owns every llama.cpp context.
+
+Inside, dependencies point one way: ``runtime`` (the public ``Engine``) ─► ``scheduler`` (continuous
+batching) ─► ``bank`` (mixed-adapter slots) and ``registry`` (adapter sets) ─► ``adapters`` and
+``factor_stage`` (in-place factors) ─► ``model`` (model and contexts) ─► ``loramux._native``.
+"""
