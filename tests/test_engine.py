@@ -10,7 +10,7 @@ from conftest import PROMPT, max_diff
 from tinymodel import random_factors, write_tiny_lora
 
 import loramux as lm
-from loramux.gguf_io import read_adapter_factors, write_adapter
+from loramux.gguf_io import read_adapter_factors, validate_adapter, write_adapter
 
 
 def test_zero_factor_adapter_is_base_exactly(engine, tiny_dir):
@@ -50,21 +50,49 @@ def test_a_b_a_equals_fresh_a(engine, tiny_model, tiny_dir):
         assert max_diff(fresh.logits(PROMPT), first) == 0.0
 
 
-def test_stacking_equals_rank_concatenation(engine, tiny_dir, tmp_path):
+def _perturbed(path, out, rel: float) -> None:
+    """A copy of the adapter at `path` with every B × (1 + rel), rounded once to float32."""
+    f = read_adapter_factors(path)
+    alpha = validate_adapter(path).alpha
+    write_adapter(out, "llama", {n: (a, (b.astype(np.float64) * (1 + rel)).astype(np.float32))
+                                 for n, (a, b) in f.items()}, alpha=alpha)
+
+
+def test_stacking_equals_rank_concatenation(tiny_model, tiny_dir, tmp_path):
+    """Two stacked adapters == one adapter holding both ranks (scales folded into B), up to rounding.
+
+    F32 weights (the tiny model) and an F32 KV cache, so no quantization step amplifies rounding.
+    Tolerance from a noise floor measured here: the same stacked set with every B × (1 ± 1e-7)
+    (an ulp-level change, the size of what folding the scales into B and re-ordering the rank sum do).
+    Rule: bound = 8 × floor, never below 4 float32 ulps of the largest logit (4 · eps32 · max|logit|);
+    so a floor of 0 (an ulp of B moves no logit) demands agreement to a few ulps, not exactness.
+    The adapters themselves must move logits by far more than the bound, or nothing was compared.
+    """
     s1, s2 = 0.6, -0.3
-    engine.set_lora(tiny_dir / "a.gguf", scale=s1)
-    engine.set_lora(tiny_dir / "b.gguf", scale=s2)
-    assert list(engine.active) == ["a", "b"]
-    stacked = engine.logits(PROMPT)
-    fa, fb = read_adapter_factors(tiny_dir / "a.gguf"), read_adapter_factors(tiny_dir / "b.gguf")
+    a_path, b_path = tiny_dir / "a.gguf", tiny_dir / "b.gguf"
+    for rel, tag in ((1e-7, "up"), (-1e-7, "down")):
+        _perturbed(a_path, tmp_path / f"a_{tag}.gguf", rel)
+        _perturbed(b_path, tmp_path / f"b_{tag}.gguf", rel)
+    fa, fb = read_adapter_factors(a_path), read_adapter_factors(b_path)
     sa, sb = s1 * 2.0 / 2, s2 * 2.0 / 4  # scale * alpha / rank
     cat = {n: (np.concatenate([fa[n][0], fb[n][0]]), np.concatenate([fa[n][1] * sa, fb[n][1] * sb], axis=1))
            for n in fa}
-    r = 6
-    write_adapter(tmp_path / "cat.gguf", "llama", cat, alpha=float(r))
-    engine.clear_loras()
-    engine.set_lora(tmp_path / "cat.gguf")
-    assert max_diff(engine.logits(PROMPT), stacked) < 1e-4
+    write_adapter(tmp_path / "cat.gguf", "llama", cat, alpha=6.0)  # rank 6, alpha 6: factor 1
+    with lm.Engine.load(tiny_model, n_ctx=256, n_threads=2, kv_type="f32") as eng:
+        def stacked(a, b) -> np.ndarray:
+            eng.set_lora(a, name="a", scale=s1)
+            eng.set_lora(b, name="b", scale=s2)
+            assert list(eng.active) == ["a", "b"]
+            return eng.logits(PROMPT)
+        ref = stacked(a_path, b_path)
+        floor = max(max_diff(stacked(tmp_path / f"a_{t}.gguf", tmp_path / f"b_{t}.gguf"), ref) for t in ("up", "down"))
+        only_a = eng.logits(PROMPT, loras={"a": s1})
+        eng.clear_loras()
+        eng.set_lora(tmp_path / "cat.gguf")
+        got = max_diff(eng.logits(PROMPT), ref)
+    bound = max(8 * floor, 4 * float(np.finfo(np.float32).eps) * float(np.abs(ref).max()))
+    assert max_diff(only_a, ref) > 100 * bound, (max_diff(only_a, ref), bound)
+    assert got <= bound, f"stacked vs concatenated: {got:.3g} > bound {bound:.3g} (noise floor {floor:.3g})"
 
 
 def test_per_call_set_leaves_default_untouched(engine, tiny_dir):
