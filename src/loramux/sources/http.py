@@ -1,7 +1,8 @@
 """URL downloads into loramux's cache: lock, resume with Range/If-Range, retries, checks, atomic publish.
 
-Used by `sources.resolve` for http(s):// sources. A download goes to ``<final>.partial`` and reaches the
-final name only after every check passed (length, GGUF magic, sha256 pin).
+:func:`download` serves ``sources.resolve`` for http(s):// sources. A download goes to ``<final>.partial``
+and reaches the final name only after every check passed (length, GGUF magic, sha256 pin). Redirects are
+followed by hand so that credentials stay with the origin (scheme, host name, port) the user named.
 """
 
 from __future__ import annotations
@@ -16,27 +17,38 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import unquote, urljoin, urlsplit, urlunsplit
 
 import httpx
 
-from ..config import cache_dir as _config_cache_dir
 from ..errors import ChecksumError, DownloadCancelled, DownloadError
-
-if TYPE_CHECKING:
-    from . import CancelToken, Source, SourceOptions
+from ..gguf_io import sha256_file
+from .spec import (
+    CancelToken,
+    Source,
+    SourceOptions,
+    default_cache_dir,
+    not_gguf_message,
+    raise_if_cancelled,
+    redact,
+    status_hint,
+)
 
 MAX_REDIRECTS = 10
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
-# Headers that carry no credentials; every other header stays with the host the user named.
+# Headers that carry no credentials; every other header stays with the origin the user named.
 _SAFE_HEADERS = frozenset({"accept", "accept-encoding", "accept-language", "user-agent", "range", "if-range",
                            "if-none-match", "if-modified-since"})
 
 
-def default_cache_dir() -> Path:
-    """loramux's cache root: ``$LORAMUX_CACHE``, else ``$XDG_CACHE_HOME/loramux``, else ``~/.cache/loramux``."""
-    return _config_cache_dir()
+def download(src: Source, opts: SourceOptions, pin: str | None) -> Path:
+    """Fetch the http(s) source ``src`` into the cache (or reuse the cached copy) and return the file's path.
+
+    ``pin`` is the sha256 the file must have, if any. Raises :class:`DownloadError`, :class:`ChecksumError`
+    or :class:`DownloadCancelled`.
+    """
+    return _UrlDownload(src, opts, pin).run()
 
 
 def url_cache_path(url: str, cache_dir: str | os.PathLike[str] | None = None) -> Path:
@@ -71,7 +83,7 @@ class _UrlDownload:
     def __init__(self, src: Source, opts: SourceOptions, pin: str | None) -> None:
         assert src.url is not None
         self.src, self.opts, self.pin = src, opts, pin
-        self.label = _redact(src.url)  # messages and logs never show passwords or signed query strings
+        self.label = redact(src.url)  # messages and logs never show passwords or signed query strings
         self.final = url_cache_path(src.url, opts.cache_dir)
         self.partial = self.final.with_name(self.final.name + ".partial")
         self.partial_meta = self.final.with_name(self.final.name + ".partial.json")
@@ -97,7 +109,7 @@ class _UrlDownload:
         if self.pin:
             meta = _read_json(self.meta)
             known = meta.get("sha256") if meta.get("size") == self.final.stat().st_size else None
-            if (known or _sha256_file(self.final)) != self.pin:
+            if (known or sha256_file(self.final)) != self.pin:
                 return False  # stale copy of another version: download again under the pin
         self._report(self.final.stat().st_size, self.final.stat().st_size)
         return True
@@ -115,7 +127,7 @@ class _UrlDownload:
             failures = 1 if self.progressed else failures + 1  # a flaky link that makes progress is not dead
             if failures > self.opts.retries:
                 raise DownloadError(self.label, f"{retry.reason} (gave up after {failures} attempts)",
-                                    status=retry.status, hint=_status_hint(retry.status)) from retry
+                                    status=retry.status, hint=status_hint(retry.status)) from retry
             delay = min(self.opts.backoff * 2 ** (failures - 1), self.opts.backoff_max)
             if retry.retry_after is not None:
                 delay = max(delay, min(retry.retry_after, self.opts.backoff_max))
@@ -146,7 +158,7 @@ class _UrlDownload:
                 raise _Retry(f"HTTP {status} {resp.reason_phrase}", status, _retry_after(resp))
             if status not in (200, 206):
                 raise DownloadError(self.label, f"HTTP {status} {resp.reason_phrase}", status=status,
-                                    hint=_status_hint(status))
+                                    hint=status_hint(status))
             if status == 206:
                 self.total = self._check_content_range(resp, offset)
             else:  # a full body: the server ignored our Range, or If-Range saw a changed file
@@ -207,7 +219,7 @@ class _UrlDownload:
             resp.close()
             target = urljoin(url, resp.headers["Location"])
             if urlsplit(target).scheme not in ("http", "https"):
-                raise DownloadError(self.label, f"redirect to an unsupported URL {_redact(target)}")
+                raise DownloadError(self.label, f"redirect to an unsupported URL {redact(target)}")
             if _origin(target) != _origin(url):
                 # We cannot tell which custom header is a secret, so every header the user gave stays behind.
                 headers = {k: v for k, v in headers.items() if k.lower() in _SAFE_HEADERS}
@@ -240,7 +252,7 @@ class _UrlDownload:
                 self.progressed = self.progressed or bool(chunk)
                 self._report(received, self.total)
                 # Checked after the write so that everything received stays in the partial for a resume.
-                _raise_if_cancelled(self.opts.cancel, self.label, received)
+                raise_if_cancelled(self.opts.cancel, self.label, received)
             out.flush()
             os.fsync(out.fileno())
 
@@ -256,10 +268,10 @@ class _UrlDownload:
             head = f.read(16)
         if self.opts.expect_gguf and head[:4] != b"GGUF":
             self._drop_partial()
-            raise DownloadError(self.label, _not_gguf_message(head),
+            raise DownloadError(self.label, not_gguf_message(head),
                                 hint="check that the URL serves the raw file (a Hugging Face /resolve/ URL or "
                                      "hf://owner/repo/file.gguf, not a /blob/ page); pass token= if it needs a login")
-        digest = _sha256_file(self.partial)
+        digest = sha256_file(self.partial)
         if self.pin and digest != self.pin:
             self._drop_partial()
             raise ChecksumError(self.label, self.pin, digest)
@@ -309,36 +321,6 @@ def _file_lock(path: Path, cancel: CancelToken | None, label: str) -> Iterator[N
         os.close(fd)  # closing the descriptor releases the lock
 
 
-def _raise_if_cancelled(cancel: CancelToken | None, label: str, received: int) -> None:
-    if cancel is not None and cancel.cancelled:
-        raise DownloadCancelled(label, received)
-
-
-def _not_gguf_message(head: bytes) -> str:
-    text = head.lstrip().lower()
-    if text.startswith((b"<!doctype", b"<html", b"<head", b"<body")):
-        what = "an HTML page"
-    elif text.startswith((b"{", b"[")):
-        what = "JSON"
-    elif len(head) >= 9 and head[8:9] == b"{":
-        what = "what looks like a safetensors file (convert it to GGUF first)"
-    elif not head:
-        what = "an empty body"
-    else:
-        what = "something else"
-    return f"the server returned {what}, not a GGUF file (got {head[:9].decode('latin-1')!r}...)"
-
-
-def _status_hint(status: int | None) -> str | None:
-    if status in (401, 403):
-        return "the server wants credentials: pass token= or headers="
-    if status == 404:
-        return "check the URL"
-    if status is not None and (status >= 500 or status in (408, 429)):
-        return "the server is failing or busy; try again later or raise retries="
-    return None
-
-
 def _retry_after(resp: httpx.Response) -> float | None:
     try:
         return float(resp.headers.get("Retry-After", ""))
@@ -350,21 +332,6 @@ def _origin(url: str) -> tuple[str, str, int | None]:
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
     return scheme, (parts.hostname or "").lower(), parts.port or {"http": 80, "https": 443}.get(scheme)
-
-
-def _redact(url: str) -> str:
-    """The URL without user:password and with any query (often a signature) elided."""
-    parts = urlsplit(url)
-    netloc = (parts.hostname or "") + (f":{parts.port}" if parts.port else "")
-    return urlunsplit((parts.scheme, netloc, parts.path, "…" if parts.query else "", ""))
-
-
-def _sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -379,27 +346,3 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     tmp.write_text(json.dumps(data))
     os.replace(tmp, path)
-
-
-class TqdmProgress:
-    """A progress callback drawing a tqdm bar; ``close()`` it (or use it as a context manager) when done."""
-
-    def __init__(self, desc: str, **tqdm_kwargs: Any) -> None:
-        from tqdm.auto import tqdm
-
-        self._bar = tqdm(desc=desc, unit="B", unit_scale=True, unit_divisor=1024, total=None, **tqdm_kwargs)
-
-    def __call__(self, received: int, total: int | None) -> None:
-        if total is not None and self._bar.total != total:
-            self._bar.total = total
-        # update() with a difference (possibly negative after a restart) keeps tqdm's rate-limited redraws.
-        self._bar.update(received - self._bar.n)
-
-    def close(self) -> None:
-        """Finish and remove the bar."""
-        self._bar.close()
-
-
-def tqdm_progress(desc: str, **tqdm_kwargs: Any) -> TqdmProgress:
-    """Return a progress callback ``(received, total)`` that shows a tqdm bar labelled ``desc``."""
-    return TqdmProgress(desc, **tqdm_kwargs)
