@@ -108,7 +108,10 @@ class Scheduler:
         self.group: tuple[Any, ...] | None = None
         self.group_steps = 0
         self.applied_cvec: Any = None
-        self.stats = {"adapter_switches": 0, "decode_steps": 0, "prompt_tokens": 0, "generated_tokens": 0}
+        # prompt_tokens_reused: prefix tokens taken from a slot's cache instead of decoded again;
+        # batch_tokens: tokens sent to llama_decode; multi_seq_steps: decodes holding several sequences.
+        self.stats = {"adapter_switches": 0, "decode_steps": 0, "prompt_tokens": 0, "generated_tokens": 0,
+                      "prompt_tokens_reused": 0, "batch_tokens": 0, "multi_seq_steps": 0}
 
     # -- bookkeeping --------------------------------------------------------------------------
     @property
@@ -164,6 +167,9 @@ class Scheduler:
                 self._finish(r, error=e)
             return
         self.stats["decode_steps"] += 1
+        b = self.ctx.batch
+        self.stats["batch_tokens"] += b.n
+        self.stats["multi_seq_steps"] += int(b.n > 0 and bool((b.seq[: b.n] != b.seq[0]).any()))
         for r, out_idx in plan:
             if out_idx is not None:
                 self._sample(r, out_idx)
@@ -195,6 +201,7 @@ class Scheduler:
             r.text = TextAssembler(r.params.stop)
             self.slots[seq] = r
             self.stats["prompt_tokens"] += len(r.prompt)
+            self.stats["prompt_tokens_reused"] += keep
         self.waiting[:0] = blocked
 
     def _acquire_slots(self, r: Request) -> bool:
