@@ -95,6 +95,55 @@ def test_stacking_equals_rank_concatenation(tiny_model, tiny_dir, tmp_path):
     assert got <= bound, f"stacked vs concatenated: {got:.3g} > bound {bound:.3g} (noise floor {floor:.3g})"
 
 
+def _gen(eng: lm.Engine, loras: dict[str, float]) -> tuple[list[int], dict[str, int]]:
+    """Greedy tokens of PROMPT under `loras`, and how the scheduler's counters moved for it."""
+    before = eng.stats()
+    tokens = eng.generate(PROMPT, max_tokens=12, ignore_eos=True, loras=loras).tokens
+    after = eng.stats()
+    return tokens, {k: after[k] - before[k] for k in ("prompt_tokens_reused", "batch_tokens", "prompt_tokens")}
+
+
+def test_prefix_reuse_skips_the_prefix(tiny_model, tiny_dir):
+    """The same request twice on one slot: the second decodes only the last prompt token again."""
+    with lm.Engine.load(tiny_model, n_ctx=256, n_threads=2, kv_type="f32",
+                        loras=[str(tiny_dir / "a.gguf")]) as eng:
+        n = len(eng.tokenize(PROMPT))
+        t1, d1 = _gen(eng, {"a": 1.0})
+        t2, d2 = _gen(eng, {"a": 1.0})
+        # every greedy step of t1 wins by a margin far above F32 rounding, so equal tokens are owed
+        rows = eng.logits(eng.tokenize(PROMPT) + t1, loras={"a": 1.0})[n - 1:-1]
+        top2 = np.sort(rows, axis=1)[:, -2:]
+    assert (top2[:, 1] - top2[:, 0]).min() > 1e-3
+    assert d1 == {"prompt_tokens_reused": 0, "batch_tokens": n + 11, "prompt_tokens": n}
+    assert d2 == {"prompt_tokens_reused": n - 1, "batch_tokens": 1 + 11, "prompt_tokens": n}
+    assert t2 == t1 and len(t1) == 12
+
+
+@pytest.mark.parametrize("change", ["identity", "version", "scale"])
+def test_prefix_cache_key_holds_identity_version_and_scale(tiny_model, tiny_dir, tmp_path, change):
+    """KV computed under set X is never reused for set Y when Y differs from X only in `change`.
+
+    X, then Y on the one slot (Y must recompute the whole prompt), then the base (another key), then Y
+    again (recomputes it too): both Y runs are the same computation, so their tokens are equal exactly.
+    A key missing the changed field would let the first Y reuse X's prefix.
+    """
+    write_tiny_lora(tmp_path / "c.gguf", seed=7)  # same rank, alpha and scale as a.gguf: differs by identity
+    with lm.Engine.load(tiny_model, n_ctx=256, n_threads=2, loras=[str(tiny_dir / "a.gguf"),
+                                                                   f"{tmp_path / 'c.gguf'}:0"]) as eng:
+        a = eng.adapters["a"]
+        x, y = {"a": 1.0}, {"identity": {"c": 1.0}, "version": {"a": 1.0}, "scale": {"a": 0.5}}[change]
+        tx, dx = _gen(eng, x)
+        if change == "version":
+            a.set_factors_multi(random_factors(rank=2, seed=41))
+            assert a.version == 1
+        ty1, dy1 = _gen(eng, y)
+        _, db = _gen(eng, {})
+        ty2, dy2 = _gen(eng, y)
+    assert dx["prompt_tokens_reused"] == dy1["prompt_tokens_reused"] == db["prompt_tokens_reused"] == 0
+    assert dy2["prompt_tokens_reused"] == 0
+    assert ty1 == ty2 and ty1 != tx
+
+
 def test_per_call_set_leaves_default_untouched(engine, tiny_dir):
     engine.set_lora(tiny_dir / "a.gguf", scale=0.5)
     engine.set_lora(tiny_dir / "b.gguf", scale=0.0)
