@@ -15,9 +15,19 @@ from loramux.cli import main
 from loramux.drift_report import drift, golden_prompts
 from loramux.errors import ProbeMismatch
 from loramux.gguf_io import read_adapter_factors, write_adapter
-from loramux.probes import N_TOKENS, ROWS, ProbeResult, probe, probe_tokens
+from loramux.probe_refs import (
+    CROSS_BUILD_RTOL,
+    REFERENCE_DIR,
+    check_committed,
+    committed_references,
+    identity_distance,
+    nearest_reference,
+    reference_name,
+    system_features,
+)
+from loramux.probes import EXACT_PAIRS, N_TOKENS, ROWS, ProbeResult, probe, probe_tokens
 
-THREADS = 2  # part of the build identity: the committed reference was made with 2 threads
+THREADS = 2  # part of the build identity: the committed references were made with 2 threads
 
 
 def _stable(r: ProbeResult) -> dict:
@@ -116,6 +126,10 @@ def test_reference_for_another_model_is_refused(tiny_dir: Path, ref_file: Path, 
     assert ei.value.rows == {}
     assert any(f.startswith("build.model_sha256") for f in ei.value.foreign)
     assert "different build" in str(ei.value) and "--write" in str(ei.value)
+    run = probe(other, threads=THREADS)
+    with pytest.raises(ProbeMismatch) as ei:  # another model is another experiment: no tolerance compares it
+        run.check(ref_file, rtol=0.5)
+    assert ei.value.rows == {} and "never comparable" in str(ei.value)
 
 
 def test_reference_from_a_foreign_build_is_refused(ref: ProbeResult, tiny_model: Path, tmp_path: Path):
@@ -132,6 +146,100 @@ def test_reference_from_a_foreign_build_is_refused(ref: ProbeResult, tiny_model:
     assert "build.binding_version: reference '0.3.20'" in text
     assert "build.threads: reference 16, this run 2" in text
     assert "build.system_info" in text and "compares only within one build" in text
+
+
+def _variant(ref: ProbeResult, scale: float = 1.0, **build) -> ProbeResult:
+    """`ref` as if made by another build (`build` fields replaced), every float64 sum multiplied by `scale`."""
+    d = json.loads(ref.to_json())
+    d["build"].update(build)
+    for row in d["rows"].values():
+        row["nll_sum"] *= scale
+        row["per_prompt"] = [x * scale for x in row["per_prompt"]]
+    return ProbeResult.from_dict(d)
+
+
+NO_AVX2 = {"system_info": "CPU : SSE3 = 1 | SSSE3 = 1 | AVX = 1 | LLAMAFILE = 1 | OPENMP = 1 | REPACK = 1 |"}
+
+
+def test_foreign_build_is_compared_only_within_a_given_tolerance(ref: ProbeResult, tiny_model: Path):
+    run = probe(tiny_model, threads=THREADS)
+    near = _variant(ref, 1 + 1e-4, **NO_AVX2)
+    with pytest.raises(ProbeMismatch) as ei:  # no tolerance: refused, as between any two builds
+        run.check(near)
+    assert ei.value.rows == {} and "--rtol" in str(ei.value)
+    cmp = run.check(near, rtol=1e-3)
+    assert not cmp.exact and cmp.values == len(ROWS) * 5
+    assert cmp.max_offset == pytest.approx(1e-4, rel=1e-3)
+    assert [f.split(":")[0] for f in cmp.foreign] == ["build.system_info"]
+    with pytest.raises(ProbeMismatch) as ei:  # beyond the tolerance every row is named
+        run.check(_variant(ref, 1 + 2e-3, **NO_AVX2), rtol=1e-3)
+    assert set(ei.value.rows) == set(ROWS) and "across builds" in str(ei.value)
+    for bad in (-1e-3, float("inf"), float("nan")):
+        with pytest.raises(lm.ParameterError):
+            run.check(near, rtol=bad)
+    same = run.check(ref)
+    assert same.exact and same.max_offset == 0.0 and same.foreign == [] and same.values == len(ROWS) * 5
+
+
+def test_system_features_and_identity_distance():
+    info = "CPU : SSE3 = 1 | AVX2 = 1 | FMA = 1 | REPACK = 1 | CUDA : ARCHS = 890 | USE_GRAPHS = 1 |"
+    assert system_features(info) == {"CPU.SSE3": "1", "CPU.AVX2": "1", "CPU.FMA": "1", "CPU.REPACK": "1",
+                                     "CUDA.ARCHS": "890", "CUDA.USE_GRAPHS": "1"}
+    a = {"binding_version": "0.3.36", "system_info": "CPU : AVX = 1 | AVX2 = 1 | FMA = 1 |", "backend": "cpu",
+         "threads": 2, "model_sha256": "m"}
+    assert identity_distance(a, a) == (0, 0, 0, 0)
+    assert identity_distance(a, {**a, "system_info": "CPU : AVX = 1 | AVX2 = 0 |"}) == (0, 0, 2, 0)
+    assert identity_distance(a, {**a, "threads": 8}) == (0, 0, 0, 6)
+    assert identity_distance(a, {**a, "binding_version": "0.3.20"}) == (1, 0, 0, 0)
+    assert identity_distance(a, {**a, "model_sha256": "other"}) is None
+    assert reference_name(a).startswith("avx2-t2-cpu-") and reference_name(a) != reference_name({**a, "threads": 4})
+
+
+def test_nearest_reference_and_committed_check(ref: ProbeResult, tiny_model: Path):
+    run = probe(tiny_model, threads=THREADS)
+    feats = ref.build["system_info"]
+    refs = {
+        "same": ref,
+        "threads": _variant(ref, 1 + 1e-3, threads=8),
+        "one_feature": _variant(ref, 1 + 1e-3, system_info=feats + " EXTRA = 1 |"),
+        "two_features": _variant(ref, 1 + 1e-3, system_info=feats + " EXTRA = 1 | MORE = 1 |"),
+        "binding": _variant(ref, 1 + 1e-3, binding_version="0.0.1"),
+        "model": _variant(ref, 1.0, model_sha256="0" * 64),
+    }
+    cmp = check_committed(run, refs)  # a reference of this very build: exact
+    assert cmp.reference == "same" and cmp.exact and cmp.max_offset == 0.0
+    del refs["same"]
+    assert nearest_reference(run, refs)[0] == "threads"  # features weigh more than threads
+    del refs["threads"]
+    assert nearest_reference(run, refs)[0] == "one_feature"
+    cmp = check_committed(run, refs)
+    assert cmp.reference == "one_feature" and cmp.rtol == CROSS_BUILD_RTOL
+    assert cmp.max_offset == pytest.approx(1e-3, rel=1e-2) and cmp.values == len(ROWS) * 5
+    refs["one_feature"] = _variant(ref, 1 + 1.5 * CROSS_BUILD_RTOL, system_info=feats + " EXTRA = 1 |")
+    with pytest.raises(ProbeMismatch) as ei:  # the nearest one decides; a farther one that agrees does not
+        check_committed(run, refs)
+    assert set(ei.value.rows) == set(ROWS)
+    broken = ProbeResult.from_dict(run.to_dict())
+    broken.violations = ["invariant zero == base broken: 1.0 vs 2.0 (Δ -1.000e+00)"]
+    with pytest.raises(ProbeMismatch) as ei:  # within tolerance, but an invariant broke
+        check_committed(broken, {"two_features": refs["two_features"]})
+    assert "1 invariant(s) broken" in str(ei.value)
+    with pytest.raises(ProbeMismatch) as ei:
+        check_committed(run, {"model": refs["model"]})
+    assert "no committed probe reference" in str(ei.value)
+
+
+def test_committed_references_are_named_by_their_build_and_hold_the_invariants():
+    refs = committed_references()
+    assert len(refs) >= 1, f"{REFERENCE_DIR} should hold a reference per build identity"
+    for name, r in refs.items():
+        assert name == reference_name(r.build), name
+        assert r.violations == [] and r.build["threads"] == THREADS and r.adapter["file"] == "builtin"
+        for a, b in EXACT_PAIRS:
+            assert r.rows[a].per_prompt == r.rows[b].per_prompt, (name, a, b)
+    assert len({json.dumps(r.setup, sort_keys=True) for r in refs.values()}) == 1
+    assert len({r.build["model_sha256"] for r in refs.values()}) == 1
+    assert len({reference_name(r.build) for r in refs.values()}) == len(refs)
 
 
 def test_probe_on_a_busy_engine_leaves_it_as_it_was(engine, tiny_dir: Path, ref: ProbeResult):
@@ -202,6 +310,15 @@ def test_cli_probe_write_check_and_exit_codes(tiny_model: Path, tiny_dir: Path, 
     foreign.write_text(json.dumps(d))
     assert main(["probe", str(tiny_model), *t, "--check", str(foreign)]) == 2
     assert "different build" in capsys.readouterr().err
+    assert main(["probe", str(tiny_model), *t, "--check", str(foreign), "--rtol", "1e-9"]) == 0  # told to compare
+    err = capsys.readouterr().err
+    assert "rtol 1e-09" in err and "reference from another build" in err and "build.binding_version" in err
+    assert main(["probe", str(tiny_model), *t, "--check", str(foreign), "--rtol", "-1"]) == 2
+    refdir = tmp_path / "refs"
+    refdir.mkdir()
+    assert main(["probe", str(tiny_model), *t, "--write", str(refdir)]) == 0  # a directory: named by build
+    (written,) = refdir.iterdir()
+    assert written.name == reference_name(ProbeResult.load(written).build) + ".json"
     assert main(["probe", str(tiny_model), *t, "--check", str(tmp_path / "missing.json")]) == 2
     assert main(["probe", str(tiny_model), *t, "--lora", str(tiny_dir / "a.gguf") + ":0.5"]) == 2
     assert "scale 1.0" in capsys.readouterr().err
@@ -222,13 +339,60 @@ def test_cli_drift(tiny_model: Path, tiny_dir: Path, capsys):
 
 
 # ------------------------------------------------------------------------------------------ Gemma
+@pytest.fixture(scope="module")
+def gemma_probe(gemma_path: Path) -> ProbeResult:
+    return probe(gemma_path, threads=THREADS)
+
+
+def _offsets(run: ProbeResult, ref: ProbeResult) -> str:
+    return "\n".join(f"  {n:<10} mean NLL {run.rows[n].loss:.6f} vs {ref.rows[n].loss:.6f} "
+                     f"(relative {run.rows[n].loss / ref.rows[n].loss - 1:+.3e})" for n in ROWS)
+
+
 @pytest.mark.gemma
-def test_default_model_matches_committed_reference(gemma_path: Path):
-    reference = Path(str(files("loramux").joinpath("data/probe_reference.json")))
-    assert reference.is_file(), "src/loramux/data/probe_reference.json is missing"
-    result = probe(gemma_path, threads=THREADS)
+def test_default_model_matches_committed_reference(gemma_probe: ProbeResult):
+    """Exact against the reference of this build if one is committed, else within CROSS_BUILD_RTOL of
+    the nearest one; the within-run invariants hold exactly on any CPU build."""
+    run, refs = gemma_probe, committed_references()
+    for a, b in EXACT_PAIRS:  # checked here too, not only through run.violations
+        assert run.rows[a].per_prompt == run.rows[b].per_prompt, (a, b)
+    assert run.violations == [] and run.rows["adapter"].loss > run.rows["base"].loss * 1.1
     try:
-        result.check(reference)
+        cmp = check_committed(run, refs)
     except ProbeMismatch as e:
-        pytest.fail(f"probe on the default model vs the committed reference:\n{e}\n\n{result.table(ProbeResult.load(reference))}")
-    assert result.violations == []
+        near = nearest_reference(run, refs)
+        pytest.fail(f"probe on the default model vs the committed references:\n{e}\n\n"
+                    + (f"nearest {near[0]}:\n{_offsets(run, near[1])}" if near else ""))
+    used = refs[cmp.reference]
+    assert cmp.values == len(ROWS) * 5
+    if not run.foreign_keys(used):
+        assert cmp.exact and cmp.max_offset == 0.0
+    else:
+        assert cmp.rtol == CROSS_BUILD_RTOL and cmp.foreign and 0.0 < cmp.max_offset <= CROSS_BUILD_RTOL
+        assert not any(not run.foreign_keys(r) for r in refs.values())
+    # negative control: the same comparison must reject a reference moved just beyond what it allows
+    d = used.to_dict()
+    x = d["rows"]["plus_eps"]["per_prompt"][1]
+    d["rows"]["plus_eps"]["per_prompt"][1] = (float(np.nextafter(x, np.inf)) if cmp.exact
+                                              else x * (1 + cmp.max_offset + 2 * CROSS_BUILD_RTOL))
+    with pytest.raises(ProbeMismatch) as ei:
+        check_committed(run, {**refs, cmp.reference: ProbeResult.from_dict(d)})
+    assert set(ei.value.rows) == {"plus_eps"}
+
+
+@pytest.mark.gemma
+def test_default_model_within_cross_build_tolerance_of_every_other_build(gemma_probe: ProbeResult):
+    """The nearest-reference path for real: every committed reference of another build is within
+    CROSS_BUILD_RTOL of this run (and only a tolerance makes them comparable at all)."""
+    others = {n: r for n, r in committed_references().items() if gemma_probe.foreign_keys(r)}
+    if not others:
+        pytest.skip("every committed reference is of this build")
+    for name, ref in others.items():
+        with pytest.raises(ProbeMismatch):
+            gemma_probe.check(ref)  # refused without a tolerance
+        try:
+            cmp = check_committed(gemma_probe, {name: ref})
+        except ProbeMismatch as e:
+            pytest.fail(f"{name}:\n{e}\n\n{_offsets(gemma_probe, ref)}")
+        assert cmp.reference == name and cmp.foreign and cmp.values == len(ROWS) * 5
+        assert cmp.max_offset <= CROSS_BUILD_RTOL

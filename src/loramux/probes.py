@@ -5,7 +5,8 @@ change) breaks losses long before it breaks speed. The probe scores four fixed p
 `N_TOKENS` tokens each under seven configurations of one fixed rank-2 adapter and records the
 float64 NLL sums. On one build (binding version, llama.cpp system info, backend, threads, model file)
 the numbers are bit-identical run to run, so `check` demands exact equality; across builds they
-differ by small offsets, so a reference from another build is refused rather than compared.
+differ by small offsets, so a reference from another build is refused unless a relative tolerance is
+given (`probe_refs` picks among the references that ship with loramux and states the cross-build one).
 
 Rows, in the order they are measured:
 
@@ -32,7 +33,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -67,6 +68,9 @@ ROW_HELP = {
 # (row, must equal row): exact on CPU whatever the build; they are the math, not a reference.
 EXACT_PAIRS = (("zero", "base"), ("restored", "adapter"), ("dropped", "base"))
 BUILD_FIELDS = ("binding_version", "system_info", "backend", "threads", "model_sha256")
+# Fields a reference may differ on and still be compared within a tolerance: other kernels of the same
+# math. Another model file or probe setup is another experiment, never compared.
+CROSS_BUILD_KEYS = tuple(f"build.{k}" for k in BUILD_FIELDS if k != "model_sha256")
 PROBE_NAME = "loramux-probe"
 
 
@@ -166,6 +170,21 @@ class ProbeRow:
 
 
 @dataclass
+class ProbeComparison:
+    """What a `ProbeResult.check` that passed compared: the reference, the rule and how many values."""
+
+    reference: str
+    rtol: float  # 0.0: exact equality
+    values: int  # float64 sums compared: each row's NLL sum and its per-prompt sums
+    max_offset: float  # largest relative difference among them (0.0: all bit-identical)
+    foreign: list[str] = field(default_factory=list)  # build fields on which the reference differs
+
+    @property
+    def exact(self) -> bool:
+        return self.rtol == 0.0
+
+
+@dataclass
 class ProbeResult:
     """A probe run: build identity, setup, adapter, rows, within-run invariants, and when it ran."""
 
@@ -229,15 +248,19 @@ class ProbeResult:
         return Path(path)
 
     # -- comparison ---------------------------------------------------------------------------
+    def foreign_keys(self, ref: ProbeResult) -> list[str]:
+        """`build.<field>` and `setup.<field>` keys on which `ref` differs from this run (empty: same build)."""
+        out = [f"build.{k}" for k in BUILD_FIELDS if self.build.get(k) != ref.build.get(k)]
+        return out + [f"setup.{k}" for k in sorted(set(self.setup) | set(ref.setup))
+                      if self.setup.get(k) != ref.setup.get(k)]
+
     def foreign_fields(self, ref: ProbeResult) -> list[str]:
-        """Build-identity and setup fields on which `ref` differs from this run (empty: comparable)."""
+        """Build-identity and setup fields on which `ref` differs from this run, described (empty: comparable)."""
         out = []
-        for k in BUILD_FIELDS:
-            if self.build.get(k) != ref.build.get(k):
-                out.append(f"build.{k}: reference {ref.build.get(k)!r}, this run {self.build.get(k)!r}")
-        for k in sorted(set(self.setup) | set(ref.setup)):
-            if self.setup.get(k) != ref.setup.get(k):
-                out.append(f"setup.{k}: reference {ref.setup.get(k)!r}, this run {self.setup.get(k)!r}")
+        for key in self.foreign_keys(ref):
+            part, k = key.split(".", 1)
+            mine, theirs = getattr(self, part).get(k), getattr(ref, part).get(k)
+            out.append(f"{key}: reference {theirs!r}, this run {mine!r}")
         return out
 
     def moved_rows(self, ref: ProbeResult, rtol: float = 0.0) -> dict[str, str]:
@@ -259,37 +282,44 @@ class ProbeResult:
                            f"prompts moved: {', '.join(which) or 'none'}")
         return moved
 
-    def check(self, ref: ProbeResult | str | os.PathLike[str], rtol: float = 0.0) -> None:
-        """Raise ProbeMismatch if `ref` is from another build or setup, if any row moved, or if this
-        run broke a within-run invariant. Exact equality unless `rtol` > 0 (same build ⇒ bit-identical)."""
+    def check(self, ref: ProbeResult | str | os.PathLike[str], rtol: float = 0.0) -> ProbeComparison:
+        """Compare this run with `ref` and say what was compared; raise ProbeMismatch if `ref` cannot be
+        compared, if any row moved, or if this run broke a within-run invariant.
+
+        `rtol` 0 demands exact equality (one build is bit-identical run to run) and refuses a reference
+        from another build. With `rtol` > 0, a reference that differs only in build fields (binding,
+        system info, backend, threads) is compared within that relative tolerance; a reference for
+        another model file or probe setup is refused whatever the tolerance.
+        """
+        if not (rtol >= 0 and math.isfinite(rtol)):
+            raise ParameterError("rtol", f"must be a finite number >= 0, got {rtol!r}")
         ref_path = None
         if not isinstance(ref, ProbeResult):
             ref_path = str(ref)
             ref = ProbeResult.load(ref)
         where = ref_path or "the reference"
-        foreign = self.foreign_fields(ref)
-        if foreign:
-            e = ProbeMismatch(
-                f"refusing to compare against {where}: it was made by a different build or probe setup. "
-                "Losses differ between builds by small offsets (other kernels, thread splits, model file), "
-                "so a probe compares only within one build", problems=foreign,
-                hint="make a reference on this build with `loramux probe --write REF.json` "
-                     "(keep one reference per build and thread count)")
-            e.foreign, e.rows = foreign, {}
-            raise e
+        keys = self.foreign_keys(ref)
+        never = [k for k in keys if k not in CROSS_BUILD_KEYS]
+        if never or (keys and rtol == 0):
+            _refuse(where, self.foreign_fields(ref), tolerable=not never)
         moved = self.moved_rows(ref, rtol)
         if moved or self.violations:
-            tol = "exact equality" if rtol == 0 else f"relative tolerance {rtol:g}"
+            tol = ("exact equality required on one build" if rtol == 0 else
+                   f"relative tolerance {rtol:g}" + (" across builds" if keys else ""))
             problems = [f"{k} ({ROW_HELP.get(k, k)}): {v}" for k, v in moved.items()] + self.violations
             if ref.adapter.get("sha256") != self.adapter.get("sha256"):
                 problems.append(f"note: the adapter differs from the reference's "
                                 f"({ref.adapter.get('file')} vs {self.adapter.get('file')})")
-            e = ProbeMismatch(f"probe differs from {where} ({len(moved)} row(s) moved, {tol} required on one "
-                              f"build; {len(self.violations)} invariant(s) broken)", problems=problems,
+            e = ProbeMismatch(f"probe differs from {where} ({len(moved)} row(s) moved, {tol}; "
+                              f"{len(self.violations)} invariant(s) broken)", problems=problems,
                               hint="something on the forward path changed the numbers; if the change is "
                                    "intended, write a new reference with --write")
             e.foreign, e.rows = [], moved
             raise e
+        pairs = [(a, b) for name in ROWS for a, b in zip([ref.rows[name].nll_sum, *ref.rows[name].per_prompt],
+                                                            [self.rows[name].nll_sum, *self.rows[name].per_prompt])]
+        offset = max(abs(a - b) / max(abs(a), abs(b)) if a != b else 0.0 for a, b in pairs)
+        return ProbeComparison(where, rtol, len(pairs), offset, self.foreign_fields(ref))
 
     # -- rendering ----------------------------------------------------------------------------
     def table(self, ref: ProbeResult | None = None, markdown: bool = False) -> str:
@@ -328,6 +358,22 @@ def _close(a: float, b: float, rtol: float) -> bool:
     if rtol == 0:
         return a == b
     return abs(a - b) <= rtol * max(abs(a), abs(b))
+
+
+def _refuse(where: str, foreign: list[str], tolerable: bool) -> NoReturn:
+    """Raise the ProbeMismatch that refuses a reference (`.foreign` set, `.rows` empty)."""
+    hint = ("make a reference on this build with `loramux probe --write REF.json` "
+            "(keep one reference per build and thread count)")
+    if tolerable:
+        hint += ", or compare across builds with a relative tolerance (`--rtol`, see docs/probe.md)"
+    e = ProbeMismatch(
+        f"refusing to compare against {where}: it was made by a different build or probe setup. "
+        "Losses differ between builds by small offsets (other kernels, thread splits, model file), "
+        "so a probe compares only within one build" + ("" if tolerable else " (another model file or "
+                                                       "probe setup is never comparable)"),
+        problems=foreign, hint=hint)
+    e.foreign, e.rows = foreign, {}
+    raise e
 
 
 # ------------------------------------------------------------------------------------------ engine
@@ -492,5 +538,5 @@ def _progress(total: int, progress: bool | None, desc: str = "probe") -> Any:
     return tqdm(total=total, desc=desc, unit="row", leave=False)
 
 
-__all__ = ["probe", "ProbeResult", "ProbeRow", "PROMPTS", "N_TOKENS", "builtin_factors", "direction",
-           "probe_tokens", "build_identity", "open_engine"]
+__all__ = ["probe", "ProbeResult", "ProbeRow", "ProbeComparison", "PROMPTS", "N_TOKENS", "builtin_factors",
+           "direction", "probe_tokens", "build_identity", "open_engine"]
