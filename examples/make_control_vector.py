@@ -96,7 +96,7 @@ def neutral_ppl(engine, control) -> float:
 
 def evaluate(engine, cv, strengths, layers=LAYERS) -> list[tuple[float, float, float, int]]:
     """Rows (strength, mean margin, neutral perplexity, pairs whose margin rose vs strength 0)."""
-    from loramux.control import ControlSetting
+    from loramux.engine.control import ControlSetting
 
     base = margins(engine, None)
     rows = []
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     import loramux as lm
-    from loramux.control import ControlVector, parse_layers
+    from loramux.engine.control import ControlVector, parse_layers
 
     with lm.Engine.load(args.model, n_ctx=512, n_threads=2) as eng:
         if args.eval_only:

@@ -14,7 +14,7 @@ from conftest import PROMPT, max_diff
 
 import loramux as lm
 from loramux.cli import main as cli_main
-from loramux.control import (
+from loramux.engine.control import (
     ControlSetting,
     ControlVector,
     direction_from_pairs,

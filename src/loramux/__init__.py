@@ -35,7 +35,7 @@ _LAZY = {
     "Engine": "engine.runtime", "LoraSpec": "engine.runtime", "TextStream": "engine.runtime",
     "LoRAAdapter": "engine.adapters", "Model": "engine.model",
     "Completion": "engine.sampling", "SamplingParams": "engine.sampling",
-    "ControlVector": "control",
+    "ControlVector": "engine.control",
     "Source": "sources", "resolve": "sources", "CancelToken": "sources",
     "convert_peft": "convert", "export_peft": "convert", "merge": "merging",
     "probe": "probes", "drift": "drift_report", "train_zo": "train.zo",

@@ -1,9 +1,18 @@
-"""Options shared by the commands that open an engine: the model, adapters, context, threads, control vectors."""
+"""Options shared by the commands that open an engine: the model, adapters, context, threads, control vectors.
+
+The engine (and so llama.cpp) is imported only when a command opens one, so `loramux --help`, `inspect`,
+`pull` and `convert` start fast and work without a loadable llama.cpp.
+"""
 
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from ..engine.options import EngineOptions
+
+if TYPE_CHECKING:
+    from ..engine.runtime import Engine
 
 
 def add_model_args(p: argparse.ArgumentParser, *, loras: bool = True) -> None:
@@ -20,13 +29,18 @@ def add_model_args(p: argparse.ArgumentParser, *, loras: bool = True) -> None:
     p.add_argument("--no-mmap", action="store_true", help="read the model into memory instead of mapping it")
 
 
-def engine_from_args(args: argparse.Namespace, **extra: Any) -> Any:
-    """Build an Engine from the shared options."""
+def options_from_args(args: argparse.Namespace, **extra: Any) -> EngineOptions:
+    """The EngineOptions the shared flags ask for; `extra` names further EngineOptions fields."""
+    return EngineOptions.from_keywords(n_ctx=args.n_ctx, n_threads=args.threads, n_gpu_layers=args.gpu_layers,
+                                       use_mmap=not args.no_mmap, **extra)
+
+
+def engine_from_args(args: argparse.Namespace, **extra: Any) -> Engine:
+    """Load an Engine from the shared flags (and its --lora adapters); `extra`: more EngineOptions fields."""
     from ..engine.runtime import Engine, LoraSpec
 
     specs = [LoraSpec.parse(s) for s in getattr(args, "lora", [])]
-    return Engine.load(args.model, loras=specs, n_ctx=args.n_ctx, n_threads=args.threads,
-                       n_gpu_layers=args.gpu_layers, use_mmap=not args.no_mmap, **extra)
+    return Engine.load(args.model, loras=specs, options=options_from_args(args, **extra))
 
 
 def add_control_args(p: argparse.ArgumentParser) -> None:
@@ -36,10 +50,11 @@ def add_control_args(p: argparse.ArgumentParser) -> None:
                    help="apply control vectors only to layers A..B (inclusive, 1-based)")
 
 
-def apply_control_args(engine: Any, args: argparse.Namespace) -> None:
+def apply_control_args(engine: Engine, args: argparse.Namespace) -> None:
+    """Make the --control-vector flags the engine's default control setting."""
     if not getattr(args, "control_vector", None):
         return
-    from ..control import ControlSetting, ControlVector, parse_layers
+    from ..engine.control import ControlSetting, ControlVector, parse_layers
     from ..engine.runtime import LoraSpec
 
     pairs = []
@@ -47,4 +62,4 @@ def apply_control_args(engine: Any, args: argparse.Namespace) -> None:
         spec = LoraSpec.parse(text)
         pairs.append((ControlVector.load(spec.source), spec.scale))
     setting = ControlSetting.build(engine.model, pairs, parse_layers(args.control_vector_layers))
-    engine.call(lambda: setattr(engine, "control", setting))
+    engine.set_control_vector(setting)

@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any
 
-from ..control import METHODS, POOLS, ControlVector, parse_layers, read_examples
+from ..engine.control import METHODS, POOLS, ControlVector, parse_layers, read_examples
 from ..errors import ParameterError
 from .common import add_model_args, engine_from_args
 

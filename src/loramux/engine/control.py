@@ -28,16 +28,20 @@ import logging
 import math
 import numbers
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-from .errors import ControlVectorError, ParameterError
+from .. import _native as N
+from ..errors import BackendError, ContextLengthError, ControlVectorError, ParameterError
+from ..gguf_io import read_control_vector, write_control_vector
+from .model import Context, ContextOptions, Model
 
 log = logging.getLogger("loramux")
+T = TypeVar("T")
 
 METHODS = ("pca", "mean")
 POOLS = ("last", "mean")
@@ -58,6 +62,19 @@ def parse_layers(text: str | None) -> tuple[int, int] | None:
     if a > b:
         raise ParameterError("layers", f"{s!r}: start {a} is after end {b}", hint="write A-B with A ≤ B")
     return a, b
+
+
+class EngineLike(Protocol):
+    """What training and residual capture need from an engine (an `Engine` has all of it)."""
+
+    model: Model
+
+    @property
+    def n_threads(self) -> int: ...
+
+    def tokenize(self, text: str) -> list[int]: ...
+
+    def call(self, fn: Callable[[], T]) -> T: ...
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -129,8 +146,6 @@ class ControlVector:
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> ControlVector:
         """Read a control-vector GGUF (llama.cpp's format). Raises ControlVectorError listing every problem."""
-        from .gguf_io import read_control_vector
-
         p = Path(path).expanduser()
         if not p.is_file():
             raise ControlVectorError(str(p), "file not found" if not p.exists() else "not a regular file",
@@ -144,8 +159,6 @@ class ControlVector:
 
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Write llama.cpp's control-vector GGUF (atomically). Refuses a vector llama.cpp would refuse."""
-        from .gguf_io import write_control_vector
-
         problems = self.problems()
         if problems:
             raise ControlVectorError(str(path), "refusing to write an invalid control vector", problems=problems)
@@ -153,7 +166,7 @@ class ControlVector:
 
     # -- training ----------------------------------------------------------------------------------
     @classmethod
-    def train(cls, engine: Any, positive: Sequence[str], negative: Sequence[str], *, method: str = "pca",
+    def train(cls, engine: EngineLike, positive: Sequence[str], negative: Sequence[str], *, method: str = "pca",
               layers: tuple[int, int] | None = None, progress: bool = True, pool: str = "mean") -> ControlVector:
         """Compute a vector from paired examples: positive[i] and negative[i] differ in the trait.
 
@@ -196,7 +209,7 @@ class ControlSetting:
     parts: tuple[tuple[str, float], ...] = ()
 
     @classmethod
-    def build(cls, model: Any, vectors: Iterable[tuple[ControlVector, float]],
+    def build(cls, model: Model | EngineLike, vectors: Iterable[tuple[ControlVector, float]],
               layers: tuple[int, int] | None = None) -> ControlSetting:
         """Sum strength·direction over `vectors` for `model` (a Model, or an Engine) and check the fit.
 
@@ -230,7 +243,7 @@ class ControlSetting:
         return cls(data, n_embd, rng, ("cvec", digest), tuple((v.source, float(s)) for v, s in pairs))
 
     @classmethod
-    def from_any(cls, model: Any, cv: Any, strength: float = 1.0,
+    def from_any(cls, model: Model | EngineLike, cv: ControlSource, strength: float = 1.0,
                  layers: tuple[int, int] | None = None) -> ControlSetting:
         """Build from a vector or path, a list of vectors, paths or (vector|path, strength) pairs (a bare
         vector or path gets `strength`), or a ControlSetting (as is, or rescaled / re-ranged)."""
@@ -252,7 +265,7 @@ class ControlSetting:
         lo, hi = self.layers
         return not self.data[lo - 1:hi].any()
 
-    def apply(self, ctx_handle: Any) -> None:
+    def apply(self, ctx_handle: N.ContextHandle) -> None:
         """Set this setting on a native context (`_native.ContextHandle`)."""
         ctx_handle.set_control_vector(self.data, self.n_embd, self.layers[0], self.layers[1])
 
@@ -297,7 +310,7 @@ def _raise_fit(problems: list[tuple[str, str]], pairs: list[tuple[ControlVector,
                                   "finite strengths, and a layer range within 1..n_layer")
 
 
-def _warn_unapplied(pairs: list[tuple[ControlVector, float]], n_layer: int, model: Any) -> None:
+def _warn_unapplied(pairs: list[tuple[ControlVector, float]], n_layer: int, model: Model) -> None:
     arch = getattr(model, "architecture", None)
     for vec, _ in pairs:
         if n_layer in vec.directions and vec.directions[n_layer].any():
@@ -318,9 +331,7 @@ class ResidualCapture:
     Each `run` decodes one text in a single micro-batch from an empty cache.
     """
 
-    def __init__(self, model: Any, layers: Iterable[int], n_ctx: int, n_threads: int | None = None) -> None:
-        from .engine.model import Context, ContextOptions
-
+    def __init__(self, model: Model, layers: Iterable[int], n_ctx: int, n_threads: int | None = None) -> None:
         self.model = model
         self.want = set(layers)
         self.out: dict[int, np.ndarray] = {}
@@ -329,8 +340,6 @@ class ResidualCapture:
         self.ctx = Context(model, opts, callback=self._callback)
 
     def _callback(self, t: int, ask: bool) -> bool:
-        from . import _native as N
-
         name = N.tensor_name(t)
         if ask:
             return name.startswith("l_out-") and name[6:].isdigit() and int(name[6:]) in self.want
@@ -343,14 +352,13 @@ class ResidualCapture:
         self.out[int(name[6:])] = N.tensor_get(t, np.empty((rows, n_embd), np.float32))
         return True
 
-    def run(self, tokens: Sequence[int], *, all_rows: bool = True, control: Any = None) -> dict[int, np.ndarray]:
+    def run(self, tokens: Sequence[int], *, all_rows: bool = True, control: ControlSetting | None = None) -> dict[int, np.ndarray]:
         """Decode `tokens` and return {N: l_out-N (rows, n_embd)}.
 
         The last block keeps only the rows that request logits: all of them with `all_rows`, else the
         last token's alone. `control` (a ControlSetting) is applied during the decode, None clears it.
         """
         if len(tokens) > self.ctx.n_batch:
-            from .errors import ContextLengthError
             raise ContextLengthError(len(tokens), self.ctx.n_batch, "example")
         h = self.ctx.handle
         key = getattr(control, "key", None)
@@ -368,7 +376,6 @@ class ResidualCapture:
         h.decode(b)
         missing = self.want - set(self.out)
         if missing:
-            from .errors import BackendError
             raise BackendError("cb_eval", None, f"residual nodes l_out-{sorted(missing)} were not seen",
                                hint="this model's graph does not name its residual stream l_out-N")
         return self.out
@@ -377,8 +384,8 @@ class ResidualCapture:
         self.ctx.close()
 
 
-def residual_stream(engine: Any, text: str | Sequence[int], *, layers: Iterable[int] | None = None,
-                    control: Any = None) -> dict[int, np.ndarray]:
+def residual_stream(engine: EngineLike, text: str | Sequence[int], *, layers: Iterable[int] | None = None,
+                    control: ControlSetting | None = None) -> dict[int, np.ndarray]:
     """The residual stream after each block, {N: (n_tokens, n_embd)}, for one text on the base model.
 
     `control` (a ControlSetting or None) is applied while decoding. Useful to see what a vector does.
@@ -396,12 +403,11 @@ def residual_stream(engine: Any, text: str | Sequence[int], *, layers: Iterable[
     return engine.call(run)
 
 
-def _engine_threads(engine: Any) -> int | None:
-    opts = getattr(engine, "_eval_opts", None)
-    return getattr(opts, "n_threads", None)
+def _engine_threads(engine: EngineLike) -> int | None:
+    return engine.n_threads
 
 
-def _check_training_args(model: Any, positive: Sequence[str], negative: Sequence[str], method: str,
+def _check_training_args(model: Model, positive: Sequence[str], negative: Sequence[str], method: str,
                          layers: tuple[int, int] | None, pool: str) -> tuple[int, int]:
     problems = []
     if method not in METHODS:
@@ -424,7 +430,7 @@ def _check_training_args(model: Any, positive: Sequence[str], negative: Sequence
     return lo, hi
 
 
-def _train(cls: type[ControlVector], engine: Any, positive: Sequence[str], negative: Sequence[str], *,
+def _train(cls: type[ControlVector], engine: EngineLike, positive: Sequence[str], negative: Sequence[str], *,
            method: str, layers: tuple[int, int] | None, progress: bool, pool: str) -> ControlVector:
     from tqdm.auto import tqdm
 
@@ -436,7 +442,6 @@ def _train(cls: type[ControlVector], engine: Any, positive: Sequence[str], negat
     n_ctx = max(len(t) for t in pos + neg)
     limit = getattr(engine, "n_ctx", None)
     if limit is not None and n_ctx > limit:
-        from .errors import ContextLengthError
         raise ContextLengthError(n_ctx, limit, "the longest training example")
     cap = engine.call(lambda: ResidualCapture(model, want, max(n_ctx, 8), _engine_threads(engine)))
     acts = {k: np.zeros((2, len(pos), model.n_embd), np.float64) for k in want}
@@ -510,5 +515,12 @@ def read_examples(path: str | os.PathLike[str]) -> list[str]:
     return out
 
 
-__all__ = ["ControlSetting", "ControlVector", "ResidualCapture", "direction_from_pairs",
+VectorLike = ControlVector | str | os.PathLike[str]
+ControlSource = (ControlSetting | VectorLike | tuple[VectorLike, float]
+                 | Sequence[VectorLike | tuple[VectorLike, float]])
+"""What `Engine.set_control_vector` takes: a setting, a vector or path, a (vector|path, strength) pair, or a
+list of those (summed)."""
+
+
+__all__ = ["ControlSource", "EngineLike", "VectorLike", "ControlSetting", "ControlVector", "ResidualCapture", "direction_from_pairs",
            "parse_layers", "read_examples", "residual_stream"]

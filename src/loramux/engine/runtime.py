@@ -7,30 +7,45 @@ through a command queue (`Engine.call`) or submit generation requests that it ba
 
 from __future__ import annotations
 
+import contextlib
+import enum
 import logging
 import os
 import queue
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 
 from .. import _native as N
 from .. import config
-from ..errors import AdapterError, EngineClosedError, LoramuxError, ParameterError
+from ..errors import AdapterError, ContextLengthError, EngineClosedError, ParameterError
+from ..sources import resolve
 from .adapters import LoRAAdapter
 from .bank import SlotBank
+from .control import ControlSetting, ControlSource
 from .model import Context, ContextOptions, Model, default_threads
+from .options import EngineOptions
 from .registry import AdapterSet, LoraArg, Registry, check_scale
 from .sampling import Completion, SamplingParams, fallback_template, render_chat
 from .scheduler import Phase, Request, Scheduler
 
 T = TypeVar("T")
 log = logging.getLogger("loramux")
+
+
+class Inherit(enum.Enum):
+    """A request's control vector when it names none: the engine's own default setting."""
+
+    ENGINE = "engine"
+
+
+ControlArg = ControlSetting | None | Literal[Inherit.ENGINE]
+"""A request's control vector: a setting, None (no vector), or `Inherit.ENGINE` (the engine's)."""
 
 
 @dataclass(frozen=True)
@@ -67,36 +82,38 @@ def adapter_name(source: str) -> str:
 class Engine:
     """A base GGUF loaded once, with adapters that come and go while it serves. Thread-safe."""
 
-    def __init__(self, model: Model, *, n_ctx: int = 4096, n_parallel: int = 1, n_batch: int = 512,
-                 n_threads: int | None = None, flash_attn: bool = False, kv_unified: bool = False,
-                 slots: int = 0, slot_rank: int = 16, deterministic: bool = False, kv_type: str = "f16") -> None:
-        if n_parallel < 1:
-            raise ParameterError("n_parallel", "must be ≥ 1")
-        if slots < 0:
-            raise ParameterError("slots", "must be ≥ 0 (0 = no slot bank)")
+    def __init__(self, model: Model, options: EngineOptions | None = None, **keywords: Any) -> None:
+        """An engine around an open `Model`; `options` (or the same names as keywords) fix its contexts.
+
+        Most callers want `Engine.load`, which also opens the model and loads adapters.
+        """
+        opts = EngineOptions.from_keywords(options, **keywords)
+        self.options = opts
         self.model = model
-        self.n_parallel = n_parallel
+        self.n_parallel = opts.n_parallel
         self.registry = Registry()
         # The slot bank's per-token masks need the batch's token order in every node: a unified KV
         # cache and one ubatch per decode (see bank.py).
-        self.bank = SlotBank(model, slots, slot_rank) if slots else None
-        self.deterministic = deterministic
-        if deterministic:
-            _check_deterministic(model, flash_attn, kv_unified)
+        self.bank = SlotBank(model, opts.slots, opts.slot_rank) if opts.slots else None
+        self.deterministic = opts.deterministic
+        if opts.deterministic:
+            _check_deterministic(model, opts.flash_attn, opts.kv_unified)
         # Deterministic serving keeps one KV stream per sequence; the bank then plans its masks from
         # llama.cpp's per-sequence ubatch split (bank.plan_ubatches).
-        unified = kv_unified or (self.bank is not None and not deterministic)
+        unified = opts.kv_unified or (self.bank is not None and not opts.deterministic)
+        n_ctx, n_batch, n_parallel = opts.n_ctx, opts.n_batch, opts.n_parallel
         self._ctx_opts = ContextOptions(n_ctx=n_ctx * n_parallel if unified or n_parallel > 1 else n_ctx,
                                         n_batch=n_batch, n_ubatch=n_batch if self.bank else min(n_batch, 512),
-                                        n_seq_max=n_parallel, n_threads=n_threads, kv_unified=unified,
-                                        flash_attn=flash_attn, kv_type=kv_type)
+                                        n_seq_max=n_parallel, n_threads=opts.n_threads, kv_unified=unified,
+                                        flash_attn=opts.flash_attn, kv_type=opts.kv_type)
         self._eval_opts = ContextOptions(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=min(n_batch, 512),
-                                         n_seq_max=1, n_threads=n_threads, flash_attn=flash_attn, kv_type=kv_type)
+                                         n_seq_max=1, n_threads=opts.n_threads, flash_attn=opts.flash_attn,
+                                         kv_type=opts.kv_type)
         self.n_ctx = n_ctx
         self.ctx = Context(model, self._ctx_opts, callback=self.bank.callback if self.bank else None)
-        self.scheduler = Scheduler(model, self.ctx, n_parallel, self.bank, deterministic)
+        self.scheduler = Scheduler(model, self.ctx, n_parallel, self.bank, opts.deterministic)
         self._eval_ctx: Context | None = None
-        self.control: Any = None  # default control-vector setting (see control.py)
+        self.control: ControlSetting | None = None  # default control-vector setting (see control.py)
         self._retired: list[LoRAAdapter] = []
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -108,28 +125,29 @@ class Engine:
     # ------------------------------------------------------------------ construction
     @classmethod
     def load(cls, model: str | os.PathLike[str] | None = None, *, loras: Sequence[LoraSpec | str] = (),
-             n_ctx: int = 4096, n_parallel: int = 1, n_batch: int = 512, n_threads: int | None = None,
-             n_gpu_layers: int = 0, use_mmap: bool = True, use_mlock: bool = False, flash_attn: bool = False,
-             kv_unified: bool = False, slots: int = 0, slot_rank: int = 16, deterministic: bool = False,
-             kv_type: str = "f16", **source_options: Any) -> Engine:
+             options: EngineOptions | None = None, **keywords: Any) -> Engine:
         """Load a base model (default: the embedded Gemma 3 270M) and apply `loras` in list order.
 
-        With `slots=K`, a slot bank of K adapters of rank ≤ `slot_rank` lets requests on different
-        adapters share every decode step (see bank.py). With `deterministic=True` a request's tokens
-        do not depend on what else is batched with it (batch-invariant kernels; see README). If any
-        adapter fails, the whole load fails with that adapter's error and nothing stays loaded.
+        Keywords are `EngineOptions` fields (n_ctx, n_parallel, n_threads, slots, deterministic, ...;
+        they override `options`) or adapter-source options for `loras` (token, cache_dir, ...; see
+        `loramux.sources.SourceOptions`). With `slots=K`, a slot bank of K adapters of rank ≤
+        `slot_rank` lets requests on different adapters share every decode step (see bank.py). With
+        `deterministic=True` a request's tokens do not depend on what else is batched with it
+        (batch-invariant kernels; see README). If any adapter fails, the whole load fails with that
+        adapter's error and nothing stays loaded.
         """
+        engine_names = {f.name for f in fields(EngineOptions)}
+        opts = EngineOptions.from_keywords(options, **{k: v for k, v in keywords.items() if k in engine_names})
+        source_options = {k: v for k, v in keywords.items() if k not in engine_names}
         path = config.default_model_path() if model is None else Path(model).expanduser()
-        if deterministic:
-            if flash_attn or kv_unified:
-                _check_deterministic(None, flash_attn, kv_unified)
+        if opts.deterministic:
+            if opts.flash_attn or opts.kv_unified:
+                _check_deterministic(None, opts.flash_attn, opts.kv_unified)
             N.enable_batch_invariant_kernels()
-        m = Model(path, n_gpu_layers=n_gpu_layers, use_mmap=use_mmap, use_mlock=use_mlock,
-                  repack=not deterministic)
+        m = Model(path, n_gpu_layers=opts.n_gpu_layers, use_mmap=opts.use_mmap, use_mlock=opts.use_mlock,
+                  repack=not opts.deterministic)
         try:
-            eng = cls(m, n_ctx=n_ctx, n_parallel=n_parallel, n_batch=n_batch, n_threads=n_threads,
-                      flash_attn=flash_attn, kv_unified=kv_unified, slots=slots, slot_rank=slot_rank,
-                      deterministic=deterministic, kv_type=kv_type)
+            eng = cls(m, opts)
         except BaseException:
             m.close()
             raise
@@ -141,6 +159,21 @@ class Engine:
             eng.close()
             raise
         return eng
+
+    @classmethod
+    @contextlib.contextmanager
+    def use(cls, engine_or_model: Engine | str | os.PathLike[str] | None = None,
+            options: EngineOptions | None = None, **keywords: Any) -> Iterator[Engine]:
+        """The Engine given, as is; or one loaded from a model path (None: the embedded model) for the
+        duration of the block and closed afterwards. For tools (probe, drift, training) that accept either."""
+        if isinstance(engine_or_model, Engine):
+            yield engine_or_model
+            return
+        eng = cls.load(engine_or_model, options=options, **keywords)
+        try:
+            yield eng
+        finally:
+            eng.close()
 
     # ------------------------------------------------------------------ engine thread
     def _loop(self) -> None:
@@ -317,11 +350,10 @@ class Engine:
         return self.registry.get(name)
 
     # ------------------------------------------------------------------ control vectors
-    def set_control_vector(self, cv: Any, strength: float = 1.0, layers: tuple[int, int] | None = None) -> None:
+    def set_control_vector(self, cv: ControlSource, strength: float = 1.0,
+                           layers: tuple[int, int] | None = None) -> None:
         """Apply control vector(s) to every request that does not choose its own: a ControlVector or path,
         a list of them or of (vector|path, strength) pairs (summed), or a ControlSetting."""
-        from ..control import ControlSetting
-
         setting = ControlSetting.from_any(self.model, cv, strength, layers)
         self.call(lambda: setattr(self, "control", setting))
 
@@ -343,7 +375,7 @@ class Engine:
                            add_generation_prompt=add_generation_prompt)
 
     # ------------------------------------------------------------------ generation
-    def submit(self, prompt: str | Sequence[int], *, loras: LoraArg = None, control: Any = "default",
+    def submit(self, prompt: str | Sequence[int], *, loras: LoraArg = None, control: ControlArg = Inherit.ENGINE,
                on_event: Callable[[str, Any], None] | None = None, **sampling: Any) -> Request:
         """Queue a generation; events arrive on `request.events` (and `on_event`, on the engine thread)."""
         params = SamplingParams(**sampling).validate()
@@ -354,13 +386,8 @@ class Engine:
 
         def build() -> Request:
             aset = self.registry.resolve(loras)
-            cv = self.control if control == "default" else control
+            cv = self.control if control is Inherit.ENGINE else control
             phases, alora = _phases(aset, cv, tokens)
-            if self.bank is not None:
-                uniq = {a.uid for a, _ in aset.items}
-                banked = len(uniq) <= self.bank.K and all(self.bank.eligible(a) for a, _ in aset.items)
-                for ph in phases:
-                    ph.banked = banked
             req = Request(tokens, params, phases, alora, on_event=on_event)
             for a, _ in aset.items:
                 a.version  # noqa: B018 - fingerprint taken now; later writes make a new key
@@ -406,7 +433,7 @@ class Engine:
             self._eval_ctx = Context(self.model, self._eval_opts)
         return self._eval_ctx
 
-    def logits(self, prompt: str | Sequence[int], *, loras: LoraArg = None, control: Any = "default") -> np.ndarray:
+    def logits(self, prompt: str | Sequence[int], *, loras: LoraArg = None, control: ControlArg = Inherit.ENGINE) -> np.ndarray:
         """Logits of every position (n_tokens × n_vocab), one sequence alone in its own context."""
         tokens = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         self._eval_opts_check(len(tokens))
@@ -419,13 +446,13 @@ class Engine:
         return self.call(run)
 
     def loss(self, texts: str | Sequence[str] | Sequence[Sequence[int]], *, loras: LoraArg = None,
-             masks: Sequence[Sequence[bool]] | None = None, control: Any = "default") -> float:
+             masks: Sequence[Sequence[bool]] | None = None, control: ControlArg = Inherit.ENGINE) -> float:
         """Mean token negative log-likelihood over all texts (float64 sums), one text at a time."""
         total, count = self.loss_sum(texts, loras=loras, masks=masks, control=control)
         return total / max(count, 1)
 
     def loss_sum(self, texts: str | Sequence[str] | Sequence[Sequence[int]], *, loras: LoraArg = None,
-                 masks: Sequence[Sequence[bool]] | None = None, control: Any = "default") -> tuple[float, int]:
+                 masks: Sequence[Sequence[bool]] | None = None, control: ControlArg = Inherit.ENGINE) -> tuple[float, int]:
         """(sum of token NLLs, number of tokens scored)."""
         items = [texts] if isinstance(texts, str) else list(texts)
         toks = [self.tokenize(t) if isinstance(t, str) else list(t) for t in items]
@@ -445,14 +472,13 @@ class Engine:
 
     def _eval_opts_check(self, n: int) -> None:
         if n > self.n_ctx:
-            from ..errors import ContextLengthError
             raise ContextLengthError(n, self.n_ctx)
 
-    def _prepare_eval(self, loras: LoraArg, control: Any) -> Context:
+    def _prepare_eval(self, loras: LoraArg, control: ControlArg) -> Context:
         ctx = self._eval()
         aset: AdapterSet = self.registry.resolve(loras)
         ctx.handle.set_adapters([a.handle for a, _ in aset.items], [s for _, s in aset.items])
-        cv = self.control if control == "default" else control
+        cv = self.control if control is Inherit.ENGINE else control
         if cv is None:
             ctx.handle.set_control_vector(None, self.model.n_embd, 0, 0)
         else:
@@ -541,7 +567,7 @@ def _check_deterministic(model: Model | None, flash_attn: bool, kv_unified: bool
                              hint="use Engine.load(..., deterministic=True), which sets all of this up")
 
 
-def _phases(aset: AdapterSet, cv: Any, tokens: list[int]) -> tuple[list[Phase], dict[str, bool]]:
+def _phases(aset: AdapterSet, cv: ControlSetting | None, tokens: list[int]) -> tuple[list[Phase], dict[str, bool]]:
     """aLoRA rule: an adapter with invocation tokens applies from the last occurrence of its sequence on."""
     aloras = aset.aloras
     if not aloras:
@@ -575,11 +601,7 @@ def _resolve(src: str, **options: Any) -> Path:
     p = Path(src).expanduser()
     if p.is_file() and not options:
         return p
-    try:
-        from ..sources import resolve
-    except ImportError:  # pragma: no cover
-        return p
     return Path(resolve(src, **options))
 
 
-__all__ = ["Engine", "LoraSpec", "TextStream", "LoramuxError"]
+__all__ = ["ControlArg", "Engine", "Inherit", "LoraSpec", "TextStream"]

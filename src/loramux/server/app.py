@@ -24,6 +24,7 @@ from fastapi import FastAPI, HTTPException
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from ..engine.runtime import Engine
 from . import generation
 from .config import ServerSettings
 from .errors import APIError, from_exception, install_handlers
@@ -86,7 +87,7 @@ class Guard:
         return APIError(413, f"request body larger than {self.max_body} bytes", code="request_too_large")
 
 
-def create_app(engine: Any, settings: ServerSettings | None = None, *, own_engine: bool = False) -> FastAPI:
+def create_app(engine: Engine, settings: ServerSettings | None = None, *, own_engine: bool = False) -> FastAPI:
     """The FastAPI app serving `engine`. With own_engine, the engine is closed when the app shuts down."""
     settings = (settings or ServerSettings()).validated()
     state = ServerState(engine, settings, _base_name(engine, settings))
@@ -107,7 +108,7 @@ def create_app(engine: Any, settings: ServerSettings | None = None, *, own_engin
     return app
 
 
-def _base_name(engine: Any, settings: ServerSettings) -> str:
+def _base_name(engine: Engine, settings: ServerSettings) -> str:
     """--served-model-name, else the model file's name without .gguf."""
     if settings.served_model_name:
         return settings.served_model_name

@@ -35,6 +35,8 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from ..engine.options import EngineOptions
+from ..engine.runtime import Engine
 from ..errors import ParameterError
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-:@+/]{0,127}$")
@@ -157,13 +159,15 @@ class ServerSettings:
         return self
 
     # ------------------------------------------------------------------ engine
-    def build_engine(self) -> Any:
-        """Load the base model and the start adapters (loaded, not in the global set unless `apply`)."""
-        from ..engine.runtime import Engine
+    def engine_options(self) -> EngineOptions:
+        """The engine these settings ask for (raises ParameterError naming a bad option)."""
+        return EngineOptions(n_ctx=self.n_ctx, n_parallel=self.parallel, n_batch=self.n_batch,
+                             n_threads=self.threads, n_gpu_layers=self.gpu_layers, slots=self.slots,
+                             slot_rank=self.slot_rank, deterministic=self.deterministic)
 
-        eng = Engine.load(self.model, n_ctx=self.n_ctx, n_parallel=self.parallel, n_batch=self.n_batch,
-                          n_threads=self.threads, n_gpu_layers=self.gpu_layers, slots=self.slots,
-                          slot_rank=self.slot_rank, deterministic=self.deterministic)
+    def build_engine(self) -> Engine:
+        """Load the base model and the start adapters (loaded, not in the global set unless `apply`)."""
+        eng = Engine.load(self.model, options=self.engine_options())
         try:
             for e in self.loras:
                 eng.load_lora(e.source, e.name)

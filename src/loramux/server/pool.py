@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..engine.runtime import Engine
 from ..errors import SourceError
 from .config import NAME_RE, NAME_RULE, ServerSettings
 from .errors import APIError, model_not_found
@@ -52,7 +53,7 @@ class Entry:
 class AdapterPool:
     """Adapter table of one server. Only the event loop touches it."""
 
-    def __init__(self, engine: Any, settings: ServerSettings, base_name: str) -> None:
+    def __init__(self, engine: Engine, settings: ServerSettings, base_name: str) -> None:
         self.engine = engine
         self.settings = settings
         self.base_name = base_name

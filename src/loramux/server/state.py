@@ -7,7 +7,8 @@ import time
 from collections import OrderedDict
 from typing import Any
 
-from ..control import ControlSetting, ControlVector, parse_layers
+from ..engine.control import ControlSetting, ControlVector, parse_layers
+from ..engine.runtime import Engine
 from .config import ServerSettings
 from .errors import APIError
 from .metrics import Metrics
@@ -21,7 +22,7 @@ CONTROL_CACHE = 64
 class ServerState:
     """What the routes share: engine, settings, adapter table, control vectors, metrics."""
 
-    def __init__(self, engine: Any, settings: ServerSettings, base_name: str) -> None:
+    def __init__(self, engine: Engine, settings: ServerSettings, base_name: str) -> None:
         self.engine = engine
         self.settings = settings
         self.base_name = base_name
@@ -29,7 +30,7 @@ class ServerState:
         self.pool = AdapterPool(engine, settings, base_name)
         self.metrics = Metrics(self.snapshot)
         self.controls = _load_controls(settings)
-        self._control_cache: OrderedDict[tuple[str, float], Any] = OrderedDict()
+        self._control_cache: OrderedDict[tuple[str, float], ControlSetting] = OrderedDict()
 
     # -- metrics ------------------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:
@@ -59,8 +60,8 @@ class ServerState:
             m.generation_tokens.labels(label).inc(generated_tokens)
 
     # -- control vectors ----------------------------------------------------------------------
-    async def control_setting(self, ref: ControlRef | None) -> Any:
-        """The engine's control setting for a request: "default" (engine's own) unless it names one."""
+    async def control_setting(self, ref: ControlRef | None) -> ControlSetting | None:
+        """The control setting a request names, or None when it names none (the engine's own applies)."""
         if ref is None:
             return None
         if ref.name not in self.controls:
@@ -81,7 +82,7 @@ class ServerState:
         return not self.engine.closed
 
 
-def _load_controls(settings: ServerSettings) -> dict[str, tuple[Any, Any]]:
+def _load_controls(settings: ServerSettings) -> dict[str, tuple[ControlVector, tuple[int, int] | None]]:
     if not settings.control_vectors:
         return {}
     out = {}

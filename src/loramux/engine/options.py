@@ -1,0 +1,79 @@
+"""How an engine is built: one typed set of options instead of the same keywords in every caller.
+
+`Engine.load(path, n_ctx=..., slots=...)` still takes them as keywords (that is the API users write);
+they become one `EngineOptions`, which is what the engine, the server settings, the CLI and the
+probes pass around. Importing this module does not load llama.cpp.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
+
+from ..errors import ParameterError
+
+KV_TYPES = ("f16", "f32", "bf16", "q8_0")
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Everything that fixes an engine at load time (model placement, contexts, the slot bank).
+
+    n_ctx: tokens per sequence. n_parallel: sequences decoded together. n_batch: tokens per decode.
+    n_threads: CPU threads (None: all available). n_gpu_layers: layers offloaded on a GPU build.
+    use_mmap / use_mlock: how the weights are mapped. flash_attn / kv_unified / kv_type: llama.cpp's
+    attention and KV-cache settings. slots / slot_rank: the slot bank (0 slots: none). deterministic:
+    batch-invariant serving (see README, "Deterministic mode").
+    """
+
+    n_ctx: int = 4096
+    n_parallel: int = 1
+    n_batch: int = 512
+    n_threads: int | None = None
+    n_gpu_layers: int = 0
+    use_mmap: bool = True
+    use_mlock: bool = False
+    flash_attn: bool = False
+    kv_unified: bool = False
+    slots: int = 0
+    slot_rank: int = 16
+    deterministic: bool = False
+    kv_type: str = "f16"
+
+    def __post_init__(self) -> None:
+        problems: list[tuple[str, str]] = []
+        for name in ("n_ctx", "n_parallel", "n_batch", "slot_rank"):
+            if getattr(self, name) < 1:
+                problems.append((name, f"must be ≥ 1 (got {getattr(self, name)})"))
+        if self.slots < 0:
+            problems.append(("slots", f"must be ≥ 0 (0 = no slot bank; got {self.slots})"))
+        if self.n_threads is not None and self.n_threads < 1:
+            problems.append(("n_threads", f"must be ≥ 1, or None for all cores (got {self.n_threads})"))
+        if self.kv_type not in KV_TYPES:
+            problems.append(("kv_type", f"must be one of {', '.join(KV_TYPES)} (got {self.kv_type!r})"))
+        if problems:
+            # one error naming every bad option; `parameter` is the first
+            raise ParameterError(problems[0][0], "; ".join(f"{n} {m}" if i else m
+                                                          for i, (n, m) in enumerate(problems)))
+
+    @classmethod
+    def from_keywords(cls, base: EngineOptions | None = None, **keywords: Any) -> EngineOptions:
+        """`base` (default: the defaults) with `keywords` replaced; an unknown keyword names itself."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(keywords) - known)
+        if unknown:
+            raise ParameterError(unknown[0], f"is not an engine option (known: {', '.join(sorted(known))})")
+        return replace(base or cls(), **keywords)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The options as plain values (for logs, /health and benchmark records)."""
+        return asdict(self)
+
+    def changed(self) -> Mapping[str, Any]:
+        """Only the options that differ from the defaults."""
+        default = EngineOptions()
+        return {k: v for k, v in self.as_dict().items() if getattr(default, k) != v}
+
+
+__all__ = ["EngineOptions", "KV_TYPES"]
