@@ -1,16 +1,22 @@
-"""A small real HTTP server on 127.0.0.1 for download tests.
+"""A small real HTTP server on a loopback address for download tests.
 
 It serves registered byte blobs with Range (206 + Content-Range), ETag / Last-Modified and conditional
-requests, injects faults per path, and records every request (headers, status, body bytes sent).
+requests, injects faults per path, and records every request (headers, status, body bytes sent). Given a TLS
+context it speaks https and plain http on the same port (it looks at the first byte a client sends), so a
+redirect from https to http can change the scheme and nothing else. `make_tls` writes a throwaway CA and a
+server certificate for the loopback names with the `openssl` command line tool.
 """
 
 from __future__ import annotations
 
 import hashlib
 import socket
+import ssl
+import subprocess
 import threading
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 HTML_PAGE = b"<!DOCTYPE html><html><head><title>Login</title></head><body>please sign in</body></html>\n"
 
@@ -30,7 +36,7 @@ class Blob:
     truncate_at: int | None = None  # always stop the body at this file offset (Content-Length stays full)
     cut_once_at: int | None = None  # stop the body at this offset once, then serve normally
     chunk_delay: float = 0.0  # sleep between 16 KiB chunks
-    redirect: str | None = None  # answer 302 to this URL
+    redirect: str | None = None  # answer 302 to this URL (with `headers` on the 302)
     ranges: bool = True  # honour Range requests
 
     def current_etag(self) -> str:
@@ -44,6 +50,7 @@ class Request:
     headers: dict[str, str]
     status: int = 0
     sent: int = 0  # body bytes written
+    scheme: str = "http"  # "https" when the request came over TLS
 
     def header(self, name: str) -> str | None:
         """A request header, looked up case-insensitively (huggingface_hub sends lower-case names)."""
@@ -54,6 +61,7 @@ class _QuietServer(ThreadingHTTPServer):
     """Injected faults cut connections on purpose: the client hanging up is not news."""
 
     daemon_threads = True
+    tls: ssl.SSLContext | None = None
 
     def handle_error(self, request, client_address):  # noqa: ANN001
         import sys
@@ -61,24 +69,43 @@ class _QuietServer(ThreadingHTTPServer):
         if not isinstance(sys.exc_info()[1], (ConnectionError, TimeoutError, OSError)):
             super().handle_error(request, client_address)
 
+    def finish_request(self, request, client_address):  # noqa: ANN001
+        """In the connection's own thread: a TLS ClientHello (first byte 0x16) gets TLS, anything else not."""
+        if self.tls is None:
+            return super().finish_request(request, client_address)
+        request.settimeout(5.0)
+        first = request.recv(1, socket.MSG_PEEK)
+        request.settimeout(None)
+        if first != b"\x16":
+            return super().finish_request(request, client_address)
+        with self.tls.wrap_socket(request, server_side=True) as tls_socket:
+            return super().finish_request(tls_socket, client_address)
+
 
 class Server:
-    """A threaded HTTP server; ``url(path)`` gives the address of a path."""
+    """A threaded HTTP server; ``url(path)`` gives the address of a path.
 
-    def __init__(self) -> None:
+    ``host`` is the loopback address to bind (Linux routes all of 127.0.0.0/8 to loopback), ``port`` 0 picks
+    a free one. With ``tls`` the same port also answers https (``url(path, scheme="https")``).
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, tls: ssl.SSLContext | None = None) -> None:
         self.blobs: dict[str, Blob] = {}
         self.requests: list[Request] = []
         self.lock = threading.Lock()
         self.stopping = threading.Event()
-        self.httpd = _QuietServer(("127.0.0.1", 0), _make_handler(self))
+        self.host = host
+        self.httpd = _QuietServer((host, port), _make_handler(self))
         self.httpd.daemon_threads = True
+        self.httpd.tls = tls
         self.port = self.httpd.server_address[1]
         self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05},
                                        daemon=True)
         self.thread.start()
 
-    def url(self, path: str) -> str:
-        return f"http://127.0.0.1:{self.port}{path}"
+    def url(self, path: str, *, host: str | None = None, scheme: str = "http") -> str:
+        """The address of ``path``; ``host`` another name for this server (``localhost``)."""
+        return f"{scheme}://{host or self.host}:{self.port}{path}"
 
     def add(self, path: str, data: bytes = b"", **faults: object) -> Blob:
         blob = Blob(data, **faults)  # type: ignore[arg-type]
@@ -112,7 +139,8 @@ def _make_handler(server: Server) -> type[BaseHTTPRequestHandler]:
             self._serve(body=True)
 
         def _serve(self, body: bool) -> None:
-            record = Request(self.command, self.path.split("?")[0], dict(self.headers.items()))
+            record = Request(self.command, self.path.split("?")[0], dict(self.headers.items()),
+                             scheme="https" if isinstance(self.connection, ssl.SSLSocket) else "http")
             with server.lock:
                 server.requests.append(record)
             blob = server.blobs.get(record.path)
@@ -124,7 +152,7 @@ def _make_handler(server: Server) -> type[BaseHTTPRequestHandler]:
                 blob.fail_times -= 1
                 return self._simple(record, 500, b"server error")
             if blob.redirect is not None:
-                return self._simple(record, 302, b"", {"Location": blob.redirect})
+                return self._simple(record, 302, b"", {"Location": blob.redirect, **blob.headers})
             if blob.html:
                 return self._simple(record, 200, HTML_PAGE, {"Content-Type": "text/html"})
             self._send_blob(record, blob, body)
@@ -193,3 +221,25 @@ def _make_handler(server: Server) -> type[BaseHTTPRequestHandler]:
                     pass
 
     return Handler
+
+
+def make_tls(directory: Path) -> tuple[ssl.SSLContext, Path]:
+    """A server TLS context for 127.0.0.1, 127.0.0.2 and localhost, and the CA file a client must trust.
+
+    Two certificates, a CA and a server certificate it signs (a self-signed leaf is refused by strict
+    verifiers), made with the ``openssl`` command line tool; a day of validity is plenty for a test run.
+    """
+    ca_key, ca, key, csr, cert = (directory / n for n in ("ca.key", "ca.pem", "srv.key", "srv.csr", "srv.pem"))
+    ext = directory / "srv.ext"
+    ext.write_text("subjectAltName=IP:127.0.0.1,IP:127.0.0.2,DNS:localhost\nbasicConstraints=CA:FALSE\n"
+                   "keyUsage=critical,digitalSignature\nextendedKeyUsage=serverAuth\n"
+                   "subjectKeyIdentifier=hash\nauthorityKeyIdentifier=keyid,issuer\n")
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    for cmd in (["req", "-x509", *ec, "-keyout", ca_key, "-out", ca, "-days", "1", "-subj", "/CN=loramux test CA"],
+                ["req", *ec, "-keyout", key, "-out", csr, "-subj", "/CN=127.0.0.1"],
+                ["x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial", "-out", cert,
+                 "-days", "1", "-extfile", ext]):
+        subprocess.run(["openssl", *map(str, cmd)], check=True, capture_output=True, timeout=60)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    return context, ca

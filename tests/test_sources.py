@@ -1,9 +1,16 @@
-"""Tests of loramux.sources against real HTTP servers started on 127.0.0.1 (no network, no llama.cpp)."""
+"""Tests of loramux.sources against real HTTP(S) servers on loopback addresses (no network, no llama.cpp).
+
+https tests trust a throwaway CA made with the openssl command line tool (they skip without it).
+"""
 
 from __future__ import annotations
 
+import base64
+import errno
 import hashlib
 import os
+import shutil
+import ssl
 import subprocess
 import sys
 import threading
@@ -11,10 +18,10 @@ import time
 from pathlib import Path
 
 import pytest
-from http_fixture import Server
+from http_fixture import Request, Server, make_tls
 
 import loramux.sources
-from loramux.errors import ChecksumError, DownloadCancelled, DownloadError, SourceError
+from loramux.errors import ChecksumError, DownloadCancelled, DownloadError, ParameterError, SourceError
 from loramux.sources import CancelToken, Source, pull, resolve, tqdm_progress, url_cache_path
 
 SIZE = 300 * 1024
@@ -51,8 +58,57 @@ def server2() -> Server:
     srv.stop()
 
 
+@pytest.fixture
+def other_name(server: Server) -> Server:
+    """A second server at 127.0.0.2 on the first one's port: only the host name tells the two apart."""
+    try:
+        srv = Server(host="127.0.0.2", port=server.port)
+    except OSError as exc:
+        if exc.errno == errno.EADDRNOTAVAIL:
+            pytest.skip("127.0.0.2 is not a loopback address on this system (the localhost case still runs)")
+        srv = Server(host="127.0.0.2")  # that port is taken there: the name still differs
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def tls_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[ssl.SSLContext, Path]:
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command line tool to make a test certificate")
+    return make_tls(tmp_path_factory.mktemp("tls"))
+
+
+@pytest.fixture
+def tls_server(tls_files: tuple[ssl.SSLContext, Path], monkeypatch: pytest.MonkeyPatch) -> Server:
+    """A server answering https and http on one port; the client trusts its test CA through SSL_CERT_FILE."""
+    context, ca = tls_files
+    monkeypatch.setenv("SSL_CERT_FILE", str(ca))
+    srv = Server(tls=context)
+    yield srv
+    srv.stop()
+
+
 def gets(server: Server, path: str) -> list:
     return [r for r in server.for_path(path) if r.method == "GET"]
+
+
+TOKEN, API_KEY, COOKIE, PASSWORD = "tok-s3cr3t", "key-s3cr3t", "cookie-s3cr3t", "pw-s3cr3t"
+BASIC = base64.b64encode(f"user:{PASSWORD}".encode()).decode()  # how httpx sends URL userinfo
+CREDENTIAL_HEADERS = {"authorization", "proxy-authorization", "cookie", "x-api-key"}
+
+
+def leaked(request: Request) -> list[str]:
+    """Credential headers of a recorded request, and any header whose value holds one of the secrets."""
+    secrets = (TOKEN, API_KEY, COOKIE, PASSWORD, BASIC)
+    return [f"{k}: {v}" for k, v in request.headers.items()
+            if k.lower() in CREDENTIAL_HEADERS or any(secret in v for secret in secrets)]
+
+
+def with_credentials(url: str, how: str) -> tuple[str, dict]:
+    """The source URL and resolve() options carrying credentials ``how``: as options, or as URL userinfo."""
+    if how == "userinfo":
+        return url.replace("://", f"://user:{PASSWORD}@", 1), {}
+    return url, {"token": TOKEN, "headers": {"X-Api-Key": API_KEY, "Cookie": f"c={COOKIE}"}}
 
 
 # ------------------------------------------------------------------------------------------ Source.parse
@@ -340,6 +396,46 @@ def test_same_host_redirect_keeps_credentials(server: Server) -> None:
     assert gets(server, "/real.gguf")[0].headers["Authorization"] == "Bearer secret"
 
 
+@pytest.mark.parametrize("how", ["options", "userinfo"])
+@pytest.mark.parametrize("target", ["127.0.0.2", "localhost"])
+def test_redirect_to_another_host_name_drops_credentials(request: pytest.FixtureRequest, server: Server,
+                                                         target: str, how: str) -> None:
+    # Same scheme and port, another host name: 127.0.0.2 is another server, localhost is this very one.
+    dest = request.getfixturevalue("other_name") if target == "127.0.0.2" else server
+    data = fake_gguf()
+    dest.add("/real.gguf", data)
+    server.add("/go.gguf", redirect=dest.url("/real.gguf", host=target))
+    source, options = with_credentials(server.url("/go.gguf"), how)
+    assert resolve(source, **options).read_bytes() == data
+    first = gets(server, "/go.gguf")[0]
+    assert first.header("Authorization") == (f"Basic {BASIC}" if how == "userinfo" else f"Bearer {TOKEN}")
+    assert how == "userinfo" or first.header("X-Api-Key") == API_KEY
+    (other,) = gets(dest, "/real.gguf")
+    assert other.header("Host") == f"{target}:{server.port}"  # the redirect went where the test meant
+    assert leaked(other) == []
+
+
+@pytest.mark.parametrize("how", ["options", "userinfo"])
+def test_https_to_http_downgrade_drops_credentials(tls_server: Server, how: str) -> None:
+    # One server speaks https and http on one port, so the last redirect changes the scheme and nothing else.
+    # The hop before it stays on the https origin and keeps the credentials. The redirect that downgrades
+    # sets a (non-Secure) cookie, which a cookie jar would send on to http on the same host.
+    data = fake_gguf()
+    tls_server.add("/real.gguf", data)
+    tls_server.add("/go.gguf", redirect=tls_server.url("/real.gguf", scheme="http"),
+                   headers={"Set-Cookie": f"session={COOKIE}; Path=/"})
+    tls_server.add("/start.gguf", redirect="/go.gguf")
+    source, options = with_credentials(tls_server.url("/start.gguf", scheme="https"), how)
+    assert resolve(source, **options).read_bytes() == data
+    expected = f"Basic {BASIC}" if how == "userinfo" else f"Bearer {TOKEN}"
+    for path in ("/start.gguf", "/go.gguf"):
+        (hop,) = gets(tls_server, path)
+        assert hop.scheme == "https" and hop.header("Authorization") == expected
+    (plain,) = gets(tls_server, "/real.gguf")
+    assert plain.scheme == "http"
+    assert leaked(plain) == []
+
+
 def test_redirect_loop(server: Server) -> None:
     server.add("/loop.gguf", redirect="/loop.gguf")
     with pytest.raises(DownloadError, match="redirects"):
@@ -474,3 +570,37 @@ def test_hf_cache_dir_from_env(hub: Server, monkeypatch: pytest.MonkeyPatch, tmp
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "elsewhere"))
     assert str(resolve("hf://owner/repo/sub/adapter.gguf")).startswith(str(tmp_path / "elsewhere"))
     assert os.path.isdir(tmp_path / "elsewhere")
+
+
+@pytest.mark.parametrize("how", ["HF_TOKEN", "token", "Authorization header"])
+def test_hf_redirect_to_storage_drops_credentials(hub: Server, monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    # A Hub answers /resolve/ for a large file with a 302 to a storage host (S3, a CDN) and puts the file's
+    # metadata on the 302. The storage URL here names this same server as localhost: another host name.
+    data = fake_gguf(seed=12)
+    hub.add("/storage/blob", data)
+    hub.add("/owner/repo/resolve/main/lfs.gguf", redirect=hub.url("/storage/blob?signature=1", host="localhost"),
+            headers={"X-Repo-Commit": COMMIT_MAIN, "X-Linked-Size": str(len(data)),
+                     "X-Linked-Etag": '"' + hashlib.sha256(data).hexdigest() + '"'})
+    options: dict = {}
+    if how == "HF_TOKEN":
+        monkeypatch.setenv("HF_TOKEN", TOKEN)
+    elif how == "token":
+        options["token"] = TOKEN
+    else:
+        options["headers"] = {"Authorization": f"Bearer {TOKEN}"}
+    assert resolve("hf://owner/repo/lfs.gguf", **options).read_bytes() == data
+    metadata = hub.for_path("/owner/repo/resolve/main/lfs.gguf")
+    assert metadata and all(r.header("Authorization") == f"Bearer {TOKEN}" for r in metadata)
+    (blob,) = gets(hub, "/storage/blob")
+    assert blob.header("Host") == f"localhost:{hub.port}"
+    assert leaked(blob) == []
+
+
+def test_hf_refuses_custom_credential_headers(hub: Server) -> None:
+    # huggingface_hub forwards every custom header to the storage host a file redirects to: refuse, early.
+    with pytest.raises(ParameterError, match="X-Api-Key") as info:
+        resolve("hf://owner/repo/sub/adapter.gguf", headers={"X-Api-Key": API_KEY})
+    assert "token=" in str(info.value)
+    assert hub.requests == []
+    path = resolve("hf://owner/repo/sub/adapter.gguf", headers={"Accept-Language": "en"})  # no credential: fine
+    assert path.read_bytes() == fake_gguf(seed=10)

@@ -8,7 +8,7 @@ from typing import Any
 from ..sources import POLICIES, Source, resolve, tqdm_progress
 
 
-def _cmd_pull(args: Any) -> int:
+def _cmd_pull(args: argparse.Namespace) -> int:
     src = Source.parse(args.source)
     bar = None if args.quiet or src.kind == "path" else tqdm_progress(f"pull {src}")
     try:

@@ -25,6 +25,7 @@ import httpx
 from ..errors import ChecksumError, DownloadCancelled, DownloadError
 from ..gguf_io import sha256_file
 from .spec import (
+    SAFE_HEADERS,
     CancelToken,
     Source,
     SourceOptions,
@@ -37,9 +38,6 @@ from .spec import (
 
 MAX_REDIRECTS = 10
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
-# Headers that carry no credentials; every other header stays with the origin the user named.
-_SAFE_HEADERS = frozenset({"accept", "accept-encoding", "accept-language", "user-agent", "range", "if-range",
-                           "if-none-match", "if-modified-since"})
 
 
 def download(src: Source, opts: SourceOptions, pin: str | None) -> Path:
@@ -222,7 +220,10 @@ class _UrlDownload:
                 raise DownloadError(self.label, f"redirect to an unsupported URL {redact(target)}")
             if _origin(target) != _origin(url):
                 # We cannot tell which custom header is a secret, so every header the user gave stays behind.
-                headers = {k: v for k, v in headers.items() if k.lower() in _SAFE_HEADERS}
+                headers = {k: v for k, v in headers.items() if k.lower() in SAFE_HEADERS}
+                # So do the cookies servers set on the way: a jar would send a non-Secure cookie set over https
+                # on to http on the same host name (cookies ignore scheme and port).
+                self.client.cookies.clear()
             url = target
         raise DownloadError(self.label, f"more than {MAX_REDIRECTS} redirects")
 

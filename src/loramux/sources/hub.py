@@ -10,9 +10,17 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..errors import ChecksumError, DownloadCancelled, DownloadError, SourceError
+from ..errors import ChecksumError, DownloadCancelled, DownloadError, ParameterError, SourceError
 from ..gguf_io import sha256_file
-from .spec import ACCEPTED_FORMS, Source, SourceOptions, not_gguf_message, raise_if_cancelled, status_hint
+from .spec import (
+    ACCEPTED_FORMS,
+    SAFE_HEADERS,
+    Source,
+    SourceOptions,
+    not_gguf_message,
+    raise_if_cancelled,
+    status_hint,
+)
 
 
 def download(src: Source, opts: SourceOptions, pin: str | None) -> Path:
@@ -31,7 +39,7 @@ def download(src: Source, opts: SourceOptions, pin: str | None) -> Path:
     kwargs: dict[str, Any] = dict(
         repo_id=src.repo_id, filename=src.filename, revision=src.revision, repo_type=src.repo_type,
         cache_dir=_hf_cache_dir(), endpoint=os.environ.get("HF_ENDPOINT", "").rstrip("/") or None,
-        token=opts.token, headers=dict(opts.headers) or None, etag_timeout=opts.timeout, library_name="loramux",
+        token=opts.token, headers=_hub_headers(opts) or None, etag_timeout=opts.timeout, library_name="loramux",
         tqdm_class=_hub_progress_class(src, opts))
     raise_if_cancelled(opts.cancel, str(src), 0)
     try:
@@ -53,6 +61,28 @@ def download(src: Source, opts: SourceOptions, pin: str | None) -> Path:
             raise DownloadCancelled(str(src)) from exc
         raise _hub_error(src, exc, offline) from exc
     return _checked(src, Path(str(path)), opts, pin)
+
+
+def _hub_headers(opts: SourceOptions) -> dict[str, str]:
+    """The user's headers as huggingface_hub may carry them: credentials must not reach a storage host.
+
+    When a Hub file redirects to another host (S3, a CDN), huggingface_hub drops the header it calls
+    ``authorization`` (lower-case) and sends every other header on. So an ``Authorization`` header is passed
+    under that name, and any other header that is not known to be credential-free is refused.
+    """
+    headers: dict[str, str] = {}
+    for name, value in opts.headers.items():
+        if name.lower() == "authorization":
+            headers["authorization"] = value
+        elif name.lower() in SAFE_HEADERS:
+            headers[name] = value
+        else:
+            raise ParameterError(
+                "headers", f"{name!r} cannot be sent with an hf:// source: huggingface_hub would send it on to "
+                           "the storage host a Hub file redirects to",
+                hint="pass the Hub's credentials as token= (or set HF_TOKEN); custom headers work for "
+                     "http(s):// sources, where they stay with the URL's origin")
+    return headers
 
 
 def _checked(src: Source, result: Path, opts: SourceOptions, pin: str | None) -> Path:

@@ -27,6 +27,10 @@ POLICIES = ("use", "revalidate", "refresh")
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 _HEX64 = re.compile(r"^[0-9a-fA-F]{64}$")
 _HF_REPO_TYPES = {"datasets": "dataset", "spaces": "space"}
+#: Request headers that carry no credentials (lower-case). Every other header a user gives stays with the
+#: origin (scheme, host name, port) of the source it was given for.
+SAFE_HEADERS = frozenset({"accept", "accept-encoding", "accept-language", "user-agent", "range", "if-range",
+                          "if-none-match", "if-modified-since"})
 
 
 def default_cache_dir() -> Path:
@@ -170,8 +174,11 @@ class Source:
 class SourceOptions:
     """How to fetch one source.
 
-    ``headers`` and ``token`` (sent as ``Authorization: Bearer``) go only to the URL's own host, never to a
-    host a redirect points at. ``cache_dir`` is loramux's cache root (downloads land in ``downloads/``);
+    ``headers`` and ``token`` (sent as ``Authorization: Bearer``) go only to the source's own origin (scheme,
+    host name, port), never to another origin a redirect points at, nor do cookies set on the way. For
+    ``hf://`` the token (or ``HF_TOKEN``, or an ``Authorization`` header) goes to the Hub endpoint only, and
+    other headers that may carry credentials are refused, because huggingface_hub would send them on to the
+    storage host a file redirects to. ``cache_dir`` is loramux's cache root (downloads land in ``downloads/``);
     ``hf://`` files use the Hugging Face cache instead. ``retries`` counts extra attempts after the first,
     waiting ``backoff * 2**n`` seconds (at most ``backoff_max``). ``timeout`` is in seconds (connect and
     each read). ``policy``: ``"use"`` a cached file without network, ``"revalidate"`` it with a conditional
