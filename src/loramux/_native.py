@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from . import ggml_types as G
 from .errors import BackendError
 
 PINNED_VERSION = "0.3.36"
@@ -147,7 +148,7 @@ def _find_op(name: str) -> int:
 
 
 OP_MUL_MAT = _find_op("MUL_MAT")
-GGML_TYPE_SIZE = {0: 4, 1: 2, 30: 2}  # F32, F16, BF16: bytes per element
+GGML_TYPE_SIZE = G.ELEMENT_SIZE  # the table lives in ggml_types; this name is kept for its importers
 
 EvalCallback = Callable[[int, bool], bool]  # (tensor pointer, ask) -> bool
 
@@ -194,7 +195,7 @@ def node_place(ptr: int) -> tuple[int | None, int | None]:
 def host_f32_view(ptr: int, shape: tuple[int, int]) -> np.ndarray | None:
     """A numpy view of a contiguous F32 tensor that lives in host memory (None elsewhere, e.g. on a GPU)."""
     t = GgmlTensor.from_address(ptr)
-    if not t.data or not t.buffer or t.type != 0 or not _ggml.ggml_backend_buffer_is_host(t.buffer):
+    if not t.data or not t.buffer or t.type != G.F32 or not _ggml.ggml_backend_buffer_is_host(t.buffer):
         return None
     n = shape[0] * shape[1]
     return np.frombuffer((ctypes.c_float * n).from_address(t.data), np.float32).reshape(shape)
@@ -554,7 +555,8 @@ class ContextHandle(_Handle):
         C.llama_set_n_threads(self.ptr, n_threads, n_threads_batch)
 
 
-KV_TYPES = {"f32": 0, "f16": 1, "bf16": 30, "q8_0": 8}  # enum ggml_type ids llama.cpp's KV cache accepts here
+# The KV cache types llama.cpp accepts here, by the name `kv_type` takes.
+KV_TYPES = {"f32": G.F32, "f16": G.F16, "bf16": G.BF16, "q8_0": G.Q8_0}
 
 
 def _make_eval_callback(fn: EvalCallback) -> Any:

@@ -15,19 +15,18 @@ import json
 import math
 import os
 import re
-import sys
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from ._progress import progress_iter
 from .errors import ConversionError, ParameterError
+from .ggml_types import BF16, F16, from_bf16_bits, to_bf16_bits
 from .gguf_io import (
-    GGML_BF16,
-    GGML_F16,
     GGUFFormatError,
     GGUFHeader,
     atomic_path,
@@ -137,21 +136,8 @@ class ConversionReport:
 
 
 # ---------------------------------------------------------------------------------------------
-# small helpers shared with merge.py
+# base-model helpers
 # ---------------------------------------------------------------------------------------------
-
-def progress_iter(items: Iterable[Any], *, total: int | None = None, desc: str = "",
-                  enabled: bool | None = None) -> Iterator[Any]:
-    """Wrap `items` in a tqdm bar when asked to, or by default when stderr is a terminal."""
-    if enabled is None:
-        enabled = sys.stderr.isatty()
-    if not enabled:
-        yield from items
-        return
-    from tqdm import tqdm
-
-    yield from tqdm(items, total=total, desc=desc, unit="tensor", leave=False)
-
 
 def _tensor_map(arch: str, n_blocks: int) -> Any:
     import gguf
@@ -221,7 +207,7 @@ def _st_read(path: Path, entry: Mapping[str, Any], data_start: int) -> np.ndarra
     raw = np.fromfile(path, dtype=np.uint8, count=end - begin, offset=data_start + begin)
     arr = raw.view(_ST_DTYPES[entry["dtype"]])
     if entry["dtype"] == "BF16":
-        arr = (arr.astype(np.uint32) << 16).view(np.float32)
+        arr = from_bf16_bits(arr)
     return arr.astype(np.float32).reshape(entry["shape"])
 
 
@@ -409,7 +395,8 @@ def _convert_factors(weights: Path, cfg: Mapping[str, Any], index: Mapping[str, 
     raw: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     effective: dict[str, float] = {}
     scaling: dict[str, float] = {}
-    for module, ab in progress_iter(pairs.items(), total=len(pairs), desc="convert", enabled=progress):
+    for module, ab in progress_iter(pairs.items(), total=len(pairs), desc="convert", enabled=progress,
+                                    unit="tensor"):
         target = _target_for(module, tmap, h, rep.problems)
         if target is None or target in raw:
             if target is not None:
@@ -591,10 +578,10 @@ def _export_tensors(h: GGUFHeader, factors: Mapping[str, tuple[np.ndarray, np.nd
 
 def _to_st(arr: np.ndarray, ggml_type: int) -> tuple[str, np.ndarray]:
     # Keep the factor's own precision: F16/BF16 values are exactly representable, so nothing rounds.
-    if ggml_type == GGML_F16:
+    if ggml_type == F16:
         return "F16", arr.astype(np.float16)
-    if ggml_type == GGML_BF16:
-        return "BF16", (np.ascontiguousarray(arr, dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    if ggml_type == BF16:
+        return "BF16", to_bf16_bits(arr)
     return "F32", np.ascontiguousarray(arr, dtype=np.float32)
 
 

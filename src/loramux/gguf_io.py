@@ -20,18 +20,20 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from . import ggml_types as G
 from .errors import AdapterError, ControlVectorError, LoramuxError
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
 
-# ggml type ids of the float types an adapter may carry (ggml.h enum ggml_type).
-GGML_F32, GGML_F16, GGML_BF16 = 0, 1, 30
-FLOAT_TYPES = {GGML_F32: "F32", GGML_F16: "F16", GGML_BF16: "BF16"}
+# The float types an adapter may carry, by ggml type id (the table is ggml_types'; inspect.py reads it here).
+FLOAT_TYPES = G.FLOAT_NAMES
 
-# gguf metadata value types (gguf spec): fmt for scalar types, None for string/array.
-_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_STRING, _ARRAY = 8, 9
+#: GGUF metadata value types (gguf spec, `gguf_type`): the struct format of each scalar type.
+VALUE_FORMATS: dict[int, str] = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
+                                 10: "<Q", 11: "<q", 12: "<d"}
+VALUE_STRING, VALUE_ARRAY = 8, 9  # no fixed size: (length, bytes) and (element type, count, elements)
+VALUE_UINT32 = 4  # the type of general.file_type
 
 
 class GGUFFormatError(LoramuxError):
@@ -108,20 +110,20 @@ class _Reader:
         return self.read(n).decode("utf-8", errors="replace")
 
     def value(self, vtype: int, keep_arrays: bool) -> tuple[Any, int | None]:
-        if vtype in _SCALAR:
-            return self.scalar(_SCALAR[vtype]), None
-        if vtype == _STRING:
+        if vtype in VALUE_FORMATS:
+            return self.scalar(VALUE_FORMATS[vtype]), None
+        if vtype == VALUE_STRING:
             return self.string(), None
-        if vtype != _ARRAY:
+        if vtype != VALUE_ARRAY:
             raise GGUFFormatError(self.path, f"unknown metadata value type {vtype}")
         etype, n = self.scalar("<I"), self.scalar("<Q")
-        if etype in _SCALAR:
-            size = struct.calcsize(_SCALAR[etype])
+        if etype in VALUE_FORMATS:
+            size = struct.calcsize(VALUE_FORMATS[etype])
             raw = self.read(size * n)
             if not keep_arrays:
                 return None, n
-            return list(np.frombuffer(raw, dtype=np.dtype(_SCALAR[etype])).tolist()), n
-        if etype == _STRING:
+            return list(np.frombuffer(raw, dtype=np.dtype(VALUE_FORMATS[etype])).tolist()), n
+        if etype == VALUE_STRING:
             items = []
             for _ in range(n):
                 ln = self.scalar("<Q")
@@ -159,7 +161,7 @@ def read_header(path: str | os.PathLike[str], *, keep_arrays: int = 4096) -> GGU
         for _ in range(n_kv):
             key = r.string()
             vtype = r.scalar("<I")
-            if vtype == _ARRAY:
+            if vtype == VALUE_ARRAY:
                 pos = f.tell()
                 etype, n = r.scalar("<I"), r.scalar("<Q")
                 f.seek(pos)
@@ -181,16 +183,10 @@ def read_header(path: str | os.PathLike[str], *, keep_arrays: int = 4096) -> GGU
     return GGUFHeader(p, version, metadata, tensors, data_offset, size, lengths)
 
 
-_NP_DTYPE = {GGML_F32: np.float32, GGML_F16: np.float16}
-
-
 def tensor_nbytes(info: TensorInfo) -> int | None:
     """Byte size of a float tensor (None for quantized types, which we never read here)."""
-    if info.ggml_type == GGML_F32:
-        return 4 * info.n_elements
-    if info.ggml_type in (GGML_F16, GGML_BF16):
-        return 2 * info.n_elements
-    return None
+    size = G.ELEMENT_SIZE.get(info.ggml_type)
+    return None if size is None else size * info.n_elements
 
 
 def read_float_tensor(header: GGUFHeader, name: str) -> np.ndarray:
@@ -205,12 +201,7 @@ def read_float_tensor(header: GGUFHeader, name: str) -> np.ndarray:
     with open(header.path, "rb") as f:
         f.seek(start)
         raw = f.read(nbytes)
-    if info.ggml_type == GGML_BF16:
-        u = np.frombuffer(raw, dtype=np.uint16).astype(np.uint32) << 16
-        arr = u.view(np.float32)
-    else:
-        arr = np.frombuffer(raw, dtype=_NP_DTYPE[info.ggml_type]).astype(np.float32)
-    return arr.reshape(info.shape)
+    return G.decode(np.frombuffer(raw, dtype=G.STORAGE_DTYPE[info.ggml_type]), info.ggml_type).reshape(info.shape)
 
 
 def sha256_file(path: str | os.PathLike[str], chunk: int = 1 << 20) -> str:
@@ -392,10 +383,7 @@ def _gguf_raw(arr: np.ndarray, dtype: str) -> tuple[np.ndarray, Any]:
     if dtype == "f16":
         return a.astype(np.float16), None
     if dtype == "bf16":
-        bits = a.view(np.uint32)
-        # round to nearest even, as torch and ggml do
-        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
-        return rounded, gguf.GGMLQuantizationType.BF16
+        return G.to_bf16_bits(a), gguf.GGMLQuantizationType.BF16
     raise ValueError(f"unknown dtype {dtype!r}; use f32, f16 or bf16")
 
 
@@ -479,7 +467,7 @@ def read_control_vector(path: str | os.PathLike[str]) -> tuple[str | None, dict[
         except ValueError:
             problems.append(f"tensor {name}: layer index is not an integer")
             continue
-        if info.ggml_type != GGML_F32 or len(info.shape) != 1:
+        if info.ggml_type != G.F32 or len(info.shape) != 1:
             problems.append(f"tensor {name} must be a 1-D F32 vector")
             continue
         dirs[layer] = read_float_tensor(h, name)

@@ -21,10 +21,15 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from .convert import progress_iter
+from ._progress import progress_iter
 from .errors import AdapterError, BackendError, ConversionError, ParameterError
+from .ggml_types import ELEMENT_SIZE, F16, F32, STORAGE_DTYPE
 from .gguf_io import (
     DEFAULT_ALIGNMENT,
+    VALUE_ARRAY,
+    VALUE_FORMATS,
+    VALUE_STRING,
+    VALUE_UINT32,
     GGUFFormatError,
     GGUFHeader,
     TensorInfo,
@@ -35,8 +40,6 @@ from .gguf_io import (
 )
 
 __all__ = ["MergeReport", "merge", "QUANT_TYPES", "quant_ftype"]
-
-GGML_F32, GGML_F16 = 0, 1
 
 
 def _quant_types() -> dict[str, int]:
@@ -98,17 +101,16 @@ class MergeReport:
 # raw GGUF plumbing
 # ---------------------------------------------------------------------------------------------
 
-_SCALAR_SIZE = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-_STRING, _ARRAY, _UINT32 = 8, 9, 4
+_SCALAR_SIZE = {vtype: struct.calcsize(fmt) for vtype, fmt in VALUE_FORMATS.items()}
 
 
 def _skip_value(f: BinaryIO, vtype: int) -> None:
     if vtype in _SCALAR_SIZE:
         f.seek(_SCALAR_SIZE[vtype], os.SEEK_CUR)
-    elif vtype == _STRING:
+    elif vtype == VALUE_STRING:
         (n,) = struct.unpack("<Q", f.read(8))
         f.seek(n, os.SEEK_CUR)
-    elif vtype == _ARRAY:
+    elif vtype == VALUE_ARRAY:
         etype, n = struct.unpack("<IQ", f.read(12))
         if etype in _SCALAR_SIZE:
             f.seek(n * _SCALAR_SIZE[etype], os.SEEK_CUR)
@@ -139,7 +141,7 @@ def _raw_kv(path: Path) -> list[tuple[str, bytes]]:
 
 def _kv_uint32(key: str, value: int) -> bytes:
     k = key.encode()
-    return struct.pack("<Q", len(k)) + k + struct.pack("<II", _UINT32, value)
+    return struct.pack("<Q", len(k)) + k + struct.pack("<II", VALUE_UINT32, value)
 
 
 def _nbytes(ggml_type: int, n_elements: int) -> int:
@@ -172,7 +174,7 @@ def _write_gguf(dst: Path, version: int, kvs: Sequence[bytes], tensors: Sequence
             f.write(struct.pack("<IQ", t.ggml_type, offset))
             offset += -(-t.nbytes // align) * align
         f.write(b"\0" * (-f.tell() % align))
-        for t in progress_iter(tensors, total=len(tensors), desc="write", enabled=progress):
+        for t in progress_iter(tensors, total=len(tensors), desc="write", enabled=progress, unit="tensor"):
             data = np.ascontiguousarray(t.data())
             if data.nbytes != t.nbytes:  # never write a silently corrupt model
                 raise ConversionError(str(dst), f"{t.name} has {data.nbytes} bytes, expected {t.nbytes}",
@@ -347,17 +349,17 @@ def _write_merged(plan: _Plan, dst: Path, dtype: str, *, dequant_all: bool, prog
 def _out_tensor(h: GGUFHeader, info: TensorInfo, mm: np.ndarray,
                 deltas: list[tuple[np.ndarray, np.ndarray, float]] | None, dtype: str, dequant_all: bool
                 ) -> _OutTensor:
-    if deltas is None and (not dequant_all or info.ggml_type == GGML_F32):
+    if deltas is None and (not dequant_all or info.ggml_type == F32):
         start = h.data_offset + info.offset
         nb = _nbytes(info.ggml_type, info.n_elements)
         return _OutTensor(info.name, info.shape, info.ggml_type, nb, lambda: mm[start:start + nb])
-    out_type = GGML_F16 if (deltas and dtype == "f16") else GGML_F32
+    out_type = F16 if (deltas and dtype == "f16") else F32
 
     def data() -> np.ndarray:
         w = dequantize_tensor(h, info, mm)
         for a, b, mult in deltas or ():
             w += np.float32(mult) * (b @ a)
-        return w.astype(np.float16 if out_type == GGML_F16 else np.float32)
+        return w.astype(STORAGE_DTYPE[out_type])
 
-    return _OutTensor(info.name, info.shape, out_type, info.n_elements * (2 if out_type == GGML_F16 else 4), data)
+    return _OutTensor(info.name, info.shape, out_type, info.n_elements * ELEMENT_SIZE[out_type], data)
 

@@ -29,10 +29,12 @@ from typing import Any
 import numpy as np
 
 from .. import _native as N
+from ..ggml_types import BF16, ELEMENT_SIZE, FLOAT_NAMES, STORAGE_DTYPE, to_bf16_bits
+from ..ggml_types import from_bf16_bits as from_bf16_bits  # re-exported: adapters.py imports it from here
 
-BF16 = 30
-STORE = {0: np.float32, 1: np.float16, BF16: np.uint16}  # ggml type → numpy storage dtype
-TYPE_NAME = {0: "F32", 1: "F16", BF16: "BF16"}  # ggml type → name
+# The names adapters.py imports from here: ggml_types' own tables, not copies.
+TYPE_NAME, STORE = FLOAT_NAMES, STORAGE_DTYPE
+
 _PACK_ALIGN = 64
 MIRROR_MAX_BYTES = 8 << 20  # above this, writes go tensor by tensor (see FactorStage)
 
@@ -46,16 +48,6 @@ class FactorTensors:
     type: int  # ggml type id of both
     a_shape: tuple[int, int]  # numpy (r, in)
     b_shape: tuple[int, int]  # numpy (out, r)
-
-
-def to_bf16_bits(x: np.ndarray) -> np.ndarray:
-    """float32 → bfloat16 bit patterns (round to nearest even), as uint16."""
-    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
-
-
-def from_bf16_bits(u: np.ndarray) -> np.ndarray:
-    return (u.astype(np.uint32) << 16).view(np.float32)
 
 
 def as_float(x: Any) -> np.ndarray:
@@ -94,7 +86,7 @@ def _encoded(x: Any, shape: tuple[int, int], ggml_type: int) -> np.ndarray | Non
         return None
     if ggml_type == BF16:
         return to_bf16_bits(arr)
-    return np.ascontiguousarray(arr, dtype=STORE[ggml_type])
+    return np.ascontiguousarray(arr, dtype=STORAGE_DTYPE[ggml_type])
 
 
 def _all_finite(view: np.ndarray, ggml_type: int) -> bool:
@@ -147,7 +139,7 @@ class FactorStage:
                 if ea is None or eb is None:
                     problems.append(_shape_problem(name, f, a, b))
                 elif not (_all_finite(ea, f.type) and _all_finite(eb, f.type)):
-                    problems.append(f"{name}: factors contain NaN or Inf (after conversion to {TYPE_NAME[f.type]})")
+                    problems.append(f"{name}: factors contain NaN or Inf (after conversion to {FLOAT_NAMES[f.type]})")
                 else:
                     jobs += [(f.a, ea), (f.b, eb)]
         return problems, jobs
@@ -179,12 +171,12 @@ class Mirror:
             pair = []
             for j in (2 * i, 2 * i + 1):
                 ptr, gtype, shape = tensors[j]
-                pair.append(self._buf[offsets[j]:offsets[j] + size[j]].view(STORE[gtype]).reshape(shape))
+                pair.append(self._buf[offsets[j]:offsets[j] + size[j]].view(STORAGE_DTYPE[gtype]).reshape(shape))
             self.views[name] = (pair[0], pair[1])
             self._raw[name] = ((f.a, base + offsets[2 * i], size[2 * i]), (f.b, base + offsets[2 * i + 1], size[2 * i + 1]))
         self.total_bytes = sum(size)
         types = {f.type for f in self._factors.values()}
-        store = np.dtype(STORE[next(iter(types))]) if len(types) == 1 and BF16 not in types else None
+        store = np.dtype(STORAGE_DTYPE[next(iter(types))]) if len(types) == 1 and BF16 not in types else None
         # one float view over the whole mirror (padding stays zero) for the one-pass finiteness test
         self._whole = self._buf.view(store) if store is not None and end % store.itemsize == 0 else None
         self.reload(list(self._factors))
@@ -254,7 +246,7 @@ class Mirror:
 
 def _nbytes(t: tuple[int, int, tuple[int, int]]) -> int:
     _, gtype, shape = t
-    return N.GGML_TYPE_SIZE[gtype] * shape[0] * shape[1]
+    return ELEMENT_SIZE[gtype] * shape[0] * shape[1]
 
 
 def _mirror_layout(ptrs: list[int]) -> tuple[list[int] | None, np.ndarray | None]:
