@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from ._progress import bar
 from .errors import ParameterError
 
 DRIFT_NAME = "loramux-drift"
@@ -146,7 +147,7 @@ def drift(engine_or_model_path: Any = None, lora: str | os.PathLike[str] | None 
     prompts, a file (one per line), or None for the builtin golden set.
     """
     from .engine.registry import check_scale
-    from .probes import _progress, open_engine
+    from .probes import open_engine
 
     if lora is None:
         raise ParameterError("lora", "drift needs an adapter", hint="pass --lora SRC (path, URL or hf://)")
@@ -160,12 +161,12 @@ def drift(engine_or_model_path: Any = None, lora: str | os.PathLike[str] | None 
         own = not (str(lora) in eng.adapters and not Path(lora).exists())
         ad = eng.load_lora(lora, name=DRIFT_NAME) if own else eng.adapter(str(lora))
         try:
-            bar = _progress(len(texts), progress, "drift")
+            steps = bar(len(texts), "drift", progress, unit="row")
             items = []
             for text in texts:
                 items.append(_drift_one(eng, text, {ad.name: scale}, max_tokens))
-                bar.update(1)
-            bar.close()
+                steps.update(1)
+            steps.close()
             info = {"file": Path(str(lora)).name if own else ad.name, "sha256": ad.sha256, "rank": ad.rank,
                     "alpha": ad.alpha, "n_factors": ad.n_factors}
         finally:

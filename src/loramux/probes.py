@@ -25,7 +25,6 @@ import hashlib
 import json
 import math
 import os
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -37,6 +36,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
+from ._progress import bar
 from .errors import ParameterError, ProbeMismatch
 
 FORMAT = "loramux-probe/1"
@@ -446,7 +446,7 @@ def probe(engine_or_model_path: Any = None, lora: str | os.PathLike[str] | None 
     t0 = time.perf_counter()
     with open_engine(engine_or_model_path, threads=threads, n_gpu_layers=n_gpu_layers, use_mmap=use_mmap) as eng:
         toks = probe_tokens(eng.tokenize)
-        steps = _progress(len(ROWS), progress)
+        steps = bar(len(ROWS), "probe", progress, unit="row")
         rows: dict[str, ProbeRow] = {}
 
         def score(row: str, loras: dict[str, float]) -> None:
@@ -518,24 +518,6 @@ def _violations(r: ProbeResult, zero_adapter: bool) -> list[str]:
         if r.rows["plus_eps"].nll_sum == r.rows["minus_eps"].nll_sum:
             out.append("invariant plus_eps != minus_eps broken: in-place writes have no effect on the loss")
     return out
-
-
-class _NoBar:
-    def update(self, n: int = 1) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def _progress(total: int, progress: bool | None, desc: str = "probe") -> Any:
-    if progress is None:
-        progress = sys.stderr.isatty()
-    if not progress:
-        return _NoBar()
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, unit="row", leave=False)
 
 
 __all__ = ["probe", "ProbeResult", "ProbeRow", "ProbeComparison", "PROMPTS", "N_TOKENS", "builtin_factors",

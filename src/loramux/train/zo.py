@@ -32,6 +32,8 @@ from typing import Any
 
 import numpy as np
 
+from .._progress import Bar
+from .._progress import bar as progress_bar
 from ..errors import ParameterError, TrainingError
 from ..gguf_io import atomic_path, read_adapter_factors, write_adapter
 from .data import DataArg, Example, digest, load_examples
@@ -456,7 +458,7 @@ def _run(engine: Any, data: DataArg, eval_data: DataArg | None, out: Path, cfg: 
         if e0 is not None:
             tr.rows.append(_eval_row(0, e0))
     wall0 = tr.timing["wall"]
-    bar = _bar(progress, cfg.steps, tr.step)
+    bar = progress_bar(cfg.steps, "zo", progress and cfg.steps > tr.step, unit="step", initial=tr.step, leave=True)
     try:
         while tr.step < cfg.steps:
             row = tr.do_step()
@@ -487,8 +489,7 @@ def _run(engine: Any, data: DataArg, eval_data: DataArg | None, out: Path, cfg: 
             _finish(tr, log, plot, failed=True)
         raise
     finally:
-        if bar is not None:
-            bar.close()
+        bar.close()
     tr.timing["wall"] = wall0 + time.perf_counter() - t_wall
     _finish(tr, log, plot, failed=False)
     return _result(tr)
@@ -533,17 +534,7 @@ def _result(tr: ZOTrainer) -> TrainResult:
         checkpoints=list(tr.checkpoints), log_file=tr.log_file, plot_file=tr.plot_file)
 
 
-def _bar(progress: bool, total: int, initial: int) -> Any:
-    if not progress or total <= initial:
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, initial=initial, desc="zo", unit="step", dynamic_ncols=True)
-
-
-def _bar_update(bar: Any, row: dict[str, Any], best: float | None) -> None:
-    if bar is None:
-        return
+def _bar_update(bar: Bar, row: dict[str, Any], best: float | None) -> None:
     post = {"loss": f"{row['loss']:.4f}"}
     if row["eval_loss"] is not None:
         post["eval"] = f"{row['eval_loss']:.4f}"
