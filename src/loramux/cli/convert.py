@@ -47,15 +47,17 @@ time, with no adapter needed. Tensors an adapter touches are dequantized, merged
 
 
 def parse_lora_arg(text: str) -> tuple[str, float]:
-    """`SRC[:SCALE]`: the part after the last ':' is a scale only if it parses as a number, so paths
-    and URLs that contain ':' still work."""
-    head, sep, tail = text.rpartition(":")
-    if sep and head:
-        try:
-            return head, float(tail)
-        except ValueError:
-            pass
-    return text, 1.0
+    """`SRC[:SCALE]` as every command parses it (`LoraSpec.parse`): the part after the last ':' is a
+    scale only if it parses as a number, so paths and URLs that contain ':' still work. A merged
+    adapter has no name, so a `NAME=` prefix is refused rather than ignored."""
+    from ..engine.runtime import LoraSpec
+    from ..errors import ParameterError
+
+    spec = LoraSpec.parse(text)
+    if spec.name is not None:
+        raise ParameterError("--lora", f"{text!r}: merge takes SRC[:SCALE], not NAME=SRC",
+                             hint=f"drop '{spec.name}=', or write ./{text} for a file whose name holds '='")
+    return spec.source, spec.scale
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
