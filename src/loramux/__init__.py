@@ -33,6 +33,7 @@ __version__ = "0.1.0"
 # `loramux convert` and friends work (and start fast) without touching the native library.
 _LAZY = {
     "Engine": "engine.runtime", "LoraSpec": "engine.runtime", "TextStream": "engine.runtime",
+    "EngineOptions": "engine.options",
     "LoRAAdapter": "engine.adapters", "Model": "engine.model",
     "Completion": "engine.sampling", "SamplingParams": "engine.sampling",
     "ControlVector": "engine.control",

@@ -3,6 +3,29 @@
 Every error carries structured fields (the file, adapter, parameter it concerns) and a message that
 says what went wrong and what to do next. Validation collects *all* problems and raises once, so a
 user fixes a bad file in one round instead of one problem per attempt.
+
+Every public error is defined here. The tree (``code`` is what the server puts in an error body):
+
+    LoramuxError                    loramux_error
+    ├── BackendError                backend_error        llama.cpp/ggml failed or changed
+    ├── ModelError                  model_error          the base model cannot be used
+    ├── GGUFFormatError             invalid_gguf         not a readable GGUF file
+    ├── AdapterError                invalid_adapter      an adapter does not fit the base
+    ├── AdapterNotFoundError        adapter_not_found    (also a KeyError)
+    ├── FactorError                 invalid_factors      an in-place write was refused
+    ├── ScaleError                  invalid_scale        (also a ValueError)
+    ├── SlotsBusyError              slots_busy           every bank slot is in use
+    ├── SourceError                 invalid_source       a source cannot be resolved
+    │   ├── DownloadError           download_failed
+    │   │   └── ChecksumError       checksum_mismatch
+    │   └── DownloadCancelled       download_cancelled
+    ├── ConversionError             conversion_error     PEFT ↔ GGUF, merging
+    ├── ControlVectorError          invalid_control_vector
+    ├── ContextLengthError          context_length_exceeded (also a ValueError)
+    ├── ParameterError              invalid_parameter    (also a ValueError)
+    ├── EngineClosedError           engine_closed        (also a RuntimeError)
+    ├── TrainingError               training_error
+    └── ProbeMismatch               probe_mismatch
 """
 
 from __future__ import annotations
@@ -54,6 +77,17 @@ class ModelError(LoramuxError):
         super().__init__(f"{path}: {message}", problems=problems, hint=hint)
 
 
+class GGUFFormatError(LoramuxError):
+    """The file is not a readable GGUF (bad magic, truncated header, unknown type)."""
+
+    code = "invalid_gguf"
+
+    def __init__(self, path: str, message: str):
+        self.path = str(path)
+        super().__init__(f"{path}: {message}",
+                         hint="check that the file is a complete GGUF (re-download or re-convert it)")
+
+
 class AdapterError(LoramuxError):
     """An adapter file is invalid or does not fit the base model. Lists every problem found."""
 
@@ -97,6 +131,12 @@ class ScaleError(LoramuxError, ValueError):
     """A scale or strength is not a finite number."""
 
     code = "invalid_scale"
+
+
+class SlotsBusyError(LoramuxError):
+    """Every slot of the bank holds an adapter that a running request uses."""
+
+    code = "slots_busy"
 
 
 class SourceError(LoramuxError):
@@ -205,3 +245,11 @@ class ProbeMismatch(LoramuxError):
     """A probe check found rows that moved, or a reference from another build."""
 
     code = "probe_mismatch"
+
+
+__all__ = [
+    "AdapterError", "AdapterNotFoundError", "BackendError", "ChecksumError", "ContextLengthError",
+    "ControlVectorError", "ConversionError", "DownloadCancelled", "DownloadError", "EngineClosedError",
+    "FactorError", "GGUFFormatError", "LoramuxError", "ModelError", "ParameterError", "ProbeMismatch",
+    "ScaleError", "SlotsBusyError", "SourceError", "TrainingError",
+]

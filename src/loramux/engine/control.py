@@ -112,14 +112,6 @@ class ControlVector:
         """L2 norm of each layer's direction."""
         return {k: float(np.linalg.norm(v)) for k, v in self.directions.items()}
 
-    def content_hash(self) -> str:
-        """sha256 over the layer indices and the float32 bytes."""
-        h = hashlib.sha256()
-        for k, v in self.directions.items():
-            h.update(k.to_bytes(4, "little"))
-            h.update(v.tobytes())
-        return h.hexdigest()
-
     def problems(self) -> list[str]:
         """What is wrong with the vector on its own (llama.cpp's loader would refuse it)."""
         out = []

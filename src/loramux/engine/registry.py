@@ -67,7 +67,7 @@ class Registry:
         except KeyError:
             raise AdapterNotFoundError(name, self.adapters) from None
 
-    def resolve(self, loras: LoraArg) -> AdapterSet:
+    def adapter_set(self, loras: LoraArg) -> AdapterSet:
         """Turn a per-call spec into an AdapterSet; None means the default active set."""
         pairs = self.active.items() if loras is None else _pairs(loras)
         items, missing = [], []
@@ -80,9 +80,6 @@ class Registry:
         if missing:
             raise AdapterNotFoundError(missing[0], self.adapters)
         return AdapterSet(tuple(items))
-
-    def default_set(self) -> AdapterSet:
-        return self.resolve(None)
 
     def commit_add(self, adapter: LoRAAdapter, scale: float | None) -> LoRAAdapter | None:
         """Insert (or replace) an adapter; returns the one it replaced (to free once unused)."""

@@ -385,7 +385,7 @@ class Engine:
         self.ctx.check_fits(len(tokens) + (1 if params.max_tokens else 0))
 
         def build() -> Request:
-            aset = self.registry.resolve(loras)
+            aset = self.registry.adapter_set(loras)
             cv = self.control if control is Inherit.ENGINE else control
             phases, alora = _phases(aset, cv, tokens)
             req = Request(tokens, params, phases, alora, on_event=on_event)
@@ -476,7 +476,7 @@ class Engine:
 
     def _prepare_eval(self, loras: LoraArg, control: ControlArg) -> Context:
         ctx = self._eval()
-        aset: AdapterSet = self.registry.resolve(loras)
+        aset: AdapterSet = self.registry.adapter_set(loras)
         ctx.handle.set_adapters([a.handle for a, _ in aset.items], [s for _, s in aset.items])
         cv = self.control if control is Inherit.ENGINE else control
         if cv is None:

@@ -112,7 +112,7 @@ async def start(state: ServerState, body: CompletionRequest | ChatRequest, chat:
         raise APIError(400, "; ".join(f"{p}: {why}" for p, why in bad), code="unsupported_parameter",
                        param=bad[0][0])
     started = time.monotonic()
-    loras = state.pool.resolve(body.model, body.lora)
+    loras = state.pool.requested_set(body.model, body.lora)
     control = await state.control_setting(body.control_vector)
     tokens = await prompt_tokens(state, body)
     sampling = sampling_args(body, len(tokens), state.engine.n_ctx, chat)

@@ -101,7 +101,7 @@ class AdapterPool:
                            code="adapter_not_found", param=f"lora[{i}]")
         return e
 
-    def resolve(self, model: str | None, lora: Sequence[LoraRef] | None) -> dict[str, float]:
+    def requested_set(self, model: str | None, lora: Sequence[LoraRef] | None) -> dict[str, float]:
         """The adapter set (name → scale, in application order) a request asks for.
 
         model = base (or omitted): the global set, or exactly the `lora` list if one is given

@@ -1,0 +1,135 @@
+"""The layering of DESIGN §3, checked from the source: dependencies point one way, no import cycles.
+
+Every `import`/`from ... import` counts, at module level or inside a function, and so do imports under
+`if TYPE_CHECKING:`: an annotation that needs an upward import is a seam in the wrong place.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import loramux
+
+ROOT = Path(loramux.__file__).parent
+
+# Layers, lowest first. A module may import modules of its own layer or of lower layers only.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("ground", ("errors", "ggml_types", "_progress", "config")),
+    ("boundaries", ("_native", "gguf_io")),
+    ("sources", ("sources",)),
+    ("engine", ("engine",)),
+    ("features", ("convert", "merging", "inspect", "probes", "probe_refs", "drift_report", "train")),
+    ("server", ("server",)),
+    ("cli", ("cli", "__main__")),
+]
+# The package itself only re-exports, lazily (`loramux.__getattr__`).
+TOP = "loramux"
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _is_module(dotted: str) -> bool:
+    base = ROOT.parent / dotted.replace(".", "/")
+    return base.with_suffix(".py").exists() or (base / "__init__.py").exists()
+
+
+def _imports(path: Path) -> set[str]:
+    """Absolute loramux module names imported anywhere in the file."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.startswith(TOP + "."))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            if not mod.startswith(TOP):
+                continue
+            subs = [mod + "." + a.name for a in node.names if _is_module(mod + "." + a.name)]
+            out.update(subs)
+            if len(subs) < len(node.names):  # names defined in `mod` itself (not only its submodules)
+                out.add(mod)
+    out.discard(name)
+    return {m for m in out if m != TOP}
+
+
+def _graph() -> dict[str, set[str]]:
+    return {_module_name(p): _imports(p) for p in sorted(ROOT.rglob("*.py"))}
+
+
+def _layer(mod: str) -> int:
+    head = mod.split(".")[1] if mod.count(".") else ""
+    for i, (_, names) in enumerate(LAYERS):
+        if head in names:
+            return i
+    raise AssertionError(f"{mod} is in no layer of DESIGN §3: add it to LAYERS")
+
+
+def test_every_module_has_a_layer():
+    for mod in _graph():
+        if mod != TOP:
+            _layer(mod)
+
+
+def test_dependencies_point_down():
+    upward = []
+    for mod, deps in _graph().items():
+        if mod == TOP:
+            continue
+        for dep in deps:
+            if _layer(dep) > _layer(mod):
+                upward.append(f"{mod} ({LAYERS[_layer(mod)][0]}) imports {dep} ({LAYERS[_layer(dep)][0]})")
+    assert upward == []
+
+
+def test_no_import_cycles():
+    graph = _graph()
+    cycles: list[list[str]] = []
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for d in sorted(graph.get(m, ())):
+            if d not in graph:
+                continue
+            if state.get(d) == 1:
+                cycles.append(stack[stack.index(d):] + [d])
+            elif d not in state:
+                visit(d)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+    assert cycles == []
+
+
+def test_nothing_imports_the_cli():
+    offenders = [m for m, deps in _graph().items()
+                 if not m.startswith((TOP + ".cli", TOP + ".__main__")) and any(d.startswith(TOP + ".cli") for d in deps)]
+    assert offenders == []
+
+
+def test_only_native_touches_ctypes():
+    offenders = []
+    for p in ROOT.rglob("*.py"):
+        for node in ast.walk(ast.parse(p.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            if any(n == "ctypes" or n.startswith("ctypes.") or n.startswith("llama_cpp") for n in names):
+                if p.name != "_native.py":
+                    offenders.append(str(p.relative_to(ROOT)))
+    assert offenders == []
