@@ -509,11 +509,13 @@ class ContextHandle(_Handle):
             raise BackendError("llama_get_logits_ith", None, f"no logits for row {i}")
         return int(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).argmax())
 
-    def set_adapters(self, adapters: Sequence[AdapterHandle], scales: Sequence[float]) -> None:
-        """Set the context's adapter set (llama.cpp re-reserves the graph on the next decode)."""
+    def set_adapters(self, adapters: Sequence[AdapterHandle], scales: Sequence[float]) -> bool:
+        """Set the context's adapter set (llama.cpp re-reserves the graph on the next decode).
+
+        Returns whether the set changed (False: the same adapters and scales were already set)."""
         key = tuple((_address(a.ptr), float(s)) for a, s in zip(adapters, scales))
         if key == self._adapters:
-            return
+            return False
         n = len(adapters)
         arr = (C.llama_adapter_lora_p_ctypes * max(n, 1))(*[a.ptr for a in adapters])
         sc = (ctypes.c_float * max(n, 1))(*scales)
@@ -521,6 +523,7 @@ class ContextHandle(_Handle):
         if rc != 0:
             raise BackendError("llama_set_adapters_lora", rc)
         self._adapters = key
+        return True
 
     def uses_adapter(self, adapter: AdapterHandle) -> bool:
         """Is this adapter in the context's current set? (A closed handle never is.)"""

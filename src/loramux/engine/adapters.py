@@ -14,6 +14,7 @@ import os
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -34,6 +35,9 @@ from .model import Context, ContextOptions, Model
 
 _uid = itertools.count(1)
 EDIT_WAIT_S = 30.0
+# Largest gain a factor pair may have per unit of input (see delta_bound_problems and docs/server.md):
+# F32 tops out near 2**128, so inputs up to 2**64 in magnitude (times the request scale) cannot overflow.
+MAX_DELTA_GAIN = 2.0 ** 64
 
 
 def _decode(raw: np.ndarray, ggml_type: int) -> np.ndarray:
@@ -58,6 +62,11 @@ class LoRAAdapter:
         if bad:
             raise AdapterError(str(path), "cannot be used",
                                problems=[f"{len(bad)} factor pairs contain NaN or Inf, e.g. {', '.join(bad[:3])}"])
+        huge = delta_bound_problems(file_factors, self.info.alpha)
+        if huge:
+            raise AdapterError(str(path), "cannot be used: its delta could overflow F32", problems=huge,
+                               hint="the factors (or alpha) are far outside any trained LoRA's range; "
+                                    "re-export the adapter (docs/server.md states the bound)")
         self.model = model
         self.name = name
         self.path = Path(path)
@@ -99,8 +108,23 @@ class LoRAAdapter:
 
     @property
     def scaling(self) -> float:
-        """alpha / rank, the factor llama.cpp applies on top of the scale (1 when alpha is 0)."""
+        """alpha / rank of the first target (the factor llama.cpp applies on top of the scale; 1 when
+        alpha is 0). Per-layer ranks have one factor per tensor: see tensor_scaling()."""
         return self.alpha / self.rank if self.alpha else 1.0
+
+    def tensor_rank(self, name: str) -> int:
+        """The rank of one target's factors (PEFT's rank_pattern gives targets different ranks)."""
+        return self.info.shapes[name][0][0]
+
+    @property
+    def max_rank(self) -> int:
+        """The largest rank over every target."""
+        return max(a[0] for a, _ in self.info.shapes.values())
+
+    def tensor_scaling(self, name: str) -> float:
+        """The factor llama.cpp applies to one target's delta on top of the request scale: alpha over
+        that tensor's own rank (`b->ne[0]` in llama-adapter.h), or 1 when alpha is 0."""
+        return self.alpha / self.tensor_rank(name) if self.alpha else 1.0
 
     def describe(self) -> dict[str, Any]:
         """Plain-dict summary (for the CLI, the server and logs)."""
@@ -178,6 +202,15 @@ class LoRAAdapter:
         return _decode(ra, f.type), _decode(rb, f.type)
 
     # -- in-place factors --------------------------------------------------------------------
+    def factor_tensors(self) -> Mapping[str, FactorTensors]:
+        """Where each target's factors live (ggml tensor pointers, type, shapes), read-only.
+
+        For code that writes or reads those tensors itself between decodes (the slot bank).
+        """
+        self._check_open()
+        assert self._factors is not None
+        return MappingProxyType(self._factors)
+
     def factor_names(self) -> list[str]:
         """Base tensor names this adapter covers, in file order."""
         return list(self.targets)
@@ -324,3 +357,26 @@ class LoRAAdapter:
         with self._lock:
             self.handle.close()
             self._stage = None
+
+
+def delta_bound_problems(factors: Mapping[str, tuple[np.ndarray, np.ndarray]], alpha: float) -> list[str]:
+    """Targets whose delta could overflow F32, as problem strings (empty: every target is safe).
+
+    For a target with A (r, in) and B (out, r), llama.cpp computes s·B·(A·x) with s = scale·alpha/r
+    (scale when alpha is 0). Per unit of input, A·x is at most g_A = max|A|·in and s·B times that
+    at most g_B = |alpha/r|·max|B|·r. Each of g_A, g_B and g_A·g_B must be ≤ MAX_DELTA_GAIN (2^64):
+    then no intermediate, no bank slot (which holds alpha/r·B) and no delta overflows for inputs
+    whose magnitude times the request scale stays below 2^64. Trained adapters are below 10^6.
+    """
+    if not np.isfinite(alpha):
+        return [f"adapter.lora.alpha is {alpha}; it must be a finite number"]
+    bad = []
+    for name, (a, b) in factors.items():
+        r, n_in = a.shape
+        s = abs(alpha) / r if alpha else 1.0
+        g_a = float(np.abs(a).max(initial=0.0)) * n_in
+        g_b = s * float(np.abs(b).max(initial=0.0)) * r
+        if not (g_a <= MAX_DELTA_GAIN and g_b <= MAX_DELTA_GAIN and g_a * g_b <= MAX_DELTA_GAIN):
+            bad.append(f"{name}: max|A|·in = {g_a:.3g}, |alpha/r|·max|B|·r = {g_b:.3g} (each and their "
+                       f"product must be ≤ 2^64 ≈ {MAX_DELTA_GAIN:.3g})")
+    return bad[:5] + ([f"… and {len(bad) - 5} more targets"] if len(bad) > 5 else [])

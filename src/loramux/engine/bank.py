@@ -3,34 +3,47 @@
 The bank is an ordinary llama.cpp adapter over every projection, created with zero factors and
 always active at scale 1 (alpha 0, so llama.cpp applies no alpha/rank factor). Each user adapter
 lives in a slot k: rows [k·r, k·r + r) of every A and the same columns of every B, written in place.
-During a decode, `cb_eval` stops at each bank `A·x` product (ne = [K·r, n_tokens]) and multiplies
-the row block of slot k for token t by the scale token t's sequence wants for that adapter (its
-request scale × alpha/rank; 0 when unused). `B · (mask ⊙ A·x)` then adds each sequence's own delta
-and exactly +0.0 for the others, so one decode serves every sequence whatever its adapters, with no
-change of the context's adapter set and no graph re-reserve.
+Each target is written at its own rank r_t ≤ r (zeros fill the rest of the slot, and the targets the
+adapter lacks) with its own llama.cpp scaling baked into B: alpha / r_t (1 when alpha is 0), exactly
+the factor `llama_adapter_lora_weight::get_scale` applies natively. So the mask carries only the
+request's scale. During a decode, `cb_eval` stops at each bank `A·x` product (ne = [K·r, n_tokens])
+and keeps the row block of slot k for token t, times its request scale, only if token t's sequence
+uses that slot; every other block is set to exactly 0 (selected, not multiplied by 0, so not even an
+Inf or NaN can pass from one slot to another sequence). `B · (selected A·x)` then adds each sequence's
+own delta and exactly +0.0 for the others (B is always finite: every write is checked first), so one
+decode serves every sequence whatever its adapters, with no change of the context's adapter set and
+no graph re-reserve.
+
+The bank owns admission: `admit()` decides whether a request goes through the bank (every adapter
+fits a slot, and they fit the bank together), takes its slots (all or none) and returns the mask
+values of each phase; `decode()` plans the masks, runs the decode and checks that every bank node was
+masked. A slot write is all-or-nothing: it is marked empty before the first byte changes and claims
+its adapter only once every tensor is written, so a failed write leaves it empty and free.
 
 Facts this relies on (see the mixed-batching notes): the context must use `kv_unified=true` and
 n_ubatch == n_batch so the node's token columns follow the batch order; in the last block only the
 tokens that request logits remain, so those nodes get the output rows of the mask. After every decode
 `check()` verifies that every bank node was masked with a planned shape; otherwise it raises instead
-of silently serving unmasked output.
+of silently serving unmasked output. A node the plan does not cover is zeroed (no adapter for anyone).
 """
 
 from __future__ import annotations
 
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from .. import _native as N
-from ..errors import BackendError, LoramuxError
+from ..errors import AdapterError, BackendError, LoramuxError
 from ..gguf_io import write_adapter
-from .adapters import LoRAAdapter
-from .model import Model
+from .adapters import LoRAAdapter, delta_bound_problems
+from .factor_stage import FactorTensors
+from .model import Context, Model
+from .registry import AdapterSet
 
 PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 VIEW_CACHE_MAX = 4096  # cached node views (a few per graph shape); cleared when exceeded
@@ -51,6 +64,46 @@ class _Slot:
     last_used: float = 0.0
 
 
+@dataclass(frozen=True)
+class Admission:
+    """What `SlotBank.admit` decided for one request.
+
+    banked: the request goes through the bank (per-token masks); False: it is served natively, with
+    its adapter set in the graph, and `reason` says why. `slots`: the slots it holds (give each back
+    with `release` when it finishes). `scales`: per phase, the (slot, mask value) pairs its tokens use.
+    """
+
+    banked: bool
+    slots: tuple[int, ...] = ()
+    scales: tuple[tuple[tuple[int, float], ...], ...] = ()
+    reason: str | None = None
+
+
+@dataclass
+class _Mask:
+    """Mask values of one node shape: `values` (n_tok, width) and which entries are kept."""
+
+    values: np.ndarray
+    keep: np.ndarray = field(init=False)
+    drop: np.ndarray = field(init=False)
+    mode: int = field(init=False)  # 0: keep none, 1: keep all, 2: mixed
+
+    def __post_init__(self) -> None:
+        self.keep = self.values != 0
+        self.drop = ~self.keep
+        self.mode = 1 if self.keep.all() else 0 if not self.keep.any() else 2
+
+    def apply(self, x: np.ndarray) -> None:
+        """Scale the kept entries of `x` in place and set the others to exactly 0 (never x·0)."""
+        if self.mode == 1:
+            np.multiply(x, self.values, out=x)
+        elif self.mode == 2:
+            np.multiply(x, self.values, out=x, where=self.keep)
+            np.copyto(x, 0.0, where=self.drop)
+        else:
+            x.fill(0.0)
+
+
 @dataclass
 class MaskPlan:
     """Per-token masks of one decode, one (full, out) pair per ubatch in llama.cpp's processing order.
@@ -59,7 +112,7 @@ class MaskPlan:
     tokens that request logits (what remains in the last block).
     """
 
-    ubatches: list[tuple[np.ndarray, np.ndarray]]
+    ubatches: list[tuple[_Mask, _Mask]]
     per_ubatch: int  # bank nodes each ubatch's graph holds
     masked: int = 0
     problems: list[str] = field(default_factory=list)
@@ -113,19 +166,65 @@ class SlotBank:
         self._dir = tempfile.TemporaryDirectory(prefix="loramux-bank-")
         path = write_adapter(Path(self._dir.name) / "bank.gguf", model.architecture, zeros, 0.0, dtype=dtype)
         self.adapter = LoRAAdapter(model, path, "__bank__")
-        facs = self.adapter._factors or {}
-        self._a_ptrs = {facs[t].a: t for t in self.targets}
-        self._esize = N.GGML_TYPE_SIZE[facs[self.targets[0]].type]
+        self._facs: dict[str, FactorTensors] = dict(self.adapter.factor_tensors())
+        self._a_ptrs = {self._facs[t].a: t for t in self.targets}
+        self._target_set = frozenset(self.targets)
+        self._esize = N.GGML_TYPE_SIZE[self._facs[self.targets[0]].type]
+        self._store = np.float32 if self._esize == 4 else np.float16
         self.slots = [_Slot() for _ in range(slots)]
         self.plan: MaskPlan | None = None
         self._views: dict[tuple[int | None, int | None, int], np.ndarray | None] = {}
         self.writes = 0
+        self.unplanned = 0  # bank nodes met with no plan (zeroed); a decode outside decode() did that
+
+    # -- admission -----------------------------------------------------------------------------
+    def refusal(self, adapter: LoRAAdapter) -> str | None:
+        """Why this adapter cannot live in a slot (it is then served natively), or None if it can."""
+        if adapter.max_rank > self.r:
+            return f"rank {adapter.max_rank} > slot rank {self.r}"
+        outside = [t for t in adapter.targets if t not in self._target_set]
+        if outside:
+            return f"{len(outside)} targets outside the bank's projections, e.g. {outside[0]}"
+        return None
+
+    def eligible(self, adapter: LoRAAdapter) -> bool:
+        """Can this adapter live in a slot (every rank ≤ r, every target a bank projection)?"""
+        return self.refusal(adapter) is None
+
+    def admit(self, sets: Sequence[AdapterSet]) -> Admission | None:
+        """Decide how a request whose phases use `sets` is served, and take its slots.
+
+        Banked when every adapter fits a slot and there are at most K of them: then every slot is
+        taken (written now if needed) or none is, and None means "wait, the slots are busy".
+        Otherwise an unbanked Admission with the reason. A failed slot write raises (AdapterError
+        naming the adapter); the slots taken so far are given back and the failed slot is left empty.
+        """
+        uniq: dict[int, LoRAAdapter] = {a.uid: a for s in sets for a, _ in s.items}
+        if len(uniq) > self.K:
+            return Admission(False, reason=f"{len(uniq)} adapters > {self.K} slots")
+        for a in uniq.values():
+            why = self.refusal(a)
+            if why is not None:
+                return Admission(False, reason=f"{a.name}: {why}")
+        got: dict[int, int] = {}
+        try:
+            for uid, a in uniq.items():
+                k = self.acquire(a)
+                if k is None:
+                    break
+                got[uid] = k
+        except BaseException:
+            for k in got.values():
+                self.release(k)
+            raise
+        if len(got) < len(uniq):
+            for k in got.values():
+                self.release(k)
+            return None
+        scales = tuple(tuple((got[a.uid], float(s)) for a, s in st.items) for st in sets)
+        return Admission(True, tuple(got.values()), scales)
 
     # -- slots ---------------------------------------------------------------------------------
-    def eligible(self, adapter: LoRAAdapter) -> bool:
-        """Can this adapter live in a slot (rank ≤ r, every target a bank projection)?"""
-        return adapter.rank <= self.r and set(adapter.targets) <= set(self._a_ptrs.values())
-
     def slot_of(self, adapter: LoRAAdapter) -> int | None:
         for k, s in enumerate(self.slots):
             if s.adapter is adapter and s.version == adapter.version:
@@ -169,25 +268,89 @@ class SlotBank:
         return [s.adapter.name for s in self.slots if s.adapter is not None]
 
     def _write(self, k: int, adapter: LoRAAdapter) -> None:
-        facs = adapter.all_factors()  # live factors (engine thread: inline)
-        store = np.float32 if self._esize == 4 else np.float16
-        r0, ru = k * self.r, adapter.rank
-        for t in self.targets:
-            f = self.adapter._factors[t]  # type: ignore[index]
-            out_dim, in_dim = f.b_shape[0], f.a_shape[1]
-            a = np.zeros((self.r, in_dim), store)
-            b = np.zeros((out_dim, self.r), store)
-            if t in facs:
-                a[:ru] = facs[t][0]
-                b[:, :ru] = facs[t][1]
-            N.tensor_set(f.a, np.ascontiguousarray(a), offset=r0 * in_dim * self._esize)
-            N.tensor_set_2d(f.b, np.ascontiguousarray(b), offset=r0 * self._esize, row_bytes=self.r * self._esize,
-                            n_rows=out_dim, stride_tensor=self.width * self._esize)
+        """Write `adapter` into slot k, all or nothing: checked completely first, then written."""
+        version = adapter.version
+        arrays = self._slot_arrays(adapter)  # raises before anything changed
         s = self.slots[k]
-        s.adapter, s.version = adapter, adapter.version
+        s.adapter, s.version, s.pinned = None, -1, False  # empty from here until the last tensor is in
+        r0 = k * self.r
+        try:
+            for t, (a, b) in arrays.items():
+                self._put(self._facs[t], r0, a, b)
+        except Exception as e:
+            self._clear(k)
+            raise BackendError("slot bank write", None, f"writing adapter {adapter.name!r} into slot {k} "
+                               f"failed: {e}", hint="the slot was left empty; the request was not served") from e
+        s.adapter, s.version = adapter, version
         self.writes += 1
 
+    def _slot_arrays(self, adapter: LoRAAdapter) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """Every target's slot block (A (r, in), B (out, r), B scaled by the target's alpha/rank), checked."""
+        facs = adapter.all_factors()  # live factors (engine thread: inline)
+        problems: list[str] = []
+        out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        with np.errstate(over="ignore", invalid="ignore"):
+            for t in self.targets:
+                f = self._facs[t]
+                out_dim, in_dim = f.b_shape[0], f.a_shape[1]
+                a = np.zeros((self.r, in_dim), self._store)
+                b = np.zeros((out_dim, self.r), self._store)
+                if t in facs:
+                    fa, fb = facs[t]
+                    rt = fa.shape[0]
+                    if rt > self.r or fa.shape != (rt, in_dim) or fb.shape != (out_dim, rt):
+                        problems.append(f"{t}: A{fa.shape} B{fb.shape} do not fit a slot of rank {self.r} "
+                                        f"(A ({self.r}, {in_dim}) at most)")
+                        continue
+                    a[:rt] = fa
+                    b[:, :rt] = fb * np.float32(adapter.tensor_scaling(t))
+                    if not (np.isfinite(a).all() and np.isfinite(b).all()):
+                        problems.append(f"{t}: not finite in the bank's {np.dtype(self._store).name} "
+                                        f"after scaling B by alpha/rank = {adapter.tensor_scaling(t):g}")
+                out[t] = (a, b)
+        missing = [t for t in facs if t not in self._target_set]
+        if missing:
+            problems.append(f"{len(missing)} targets outside the bank, e.g. {missing[0]}")
+        problems += delta_bound_problems(facs, adapter.alpha)  # in-place writes may have changed them
+        if problems:
+            raise AdapterError(str(adapter.path), "cannot be written into a slot of the bank",
+                               problems=problems[:5], name=adapter.name,
+                               hint="the slot was left empty; serve this adapter without slots")
+        return out
+
+    def _put(self, f: FactorTensors, r0: int, a: np.ndarray, b: np.ndarray) -> None:
+        in_dim, out_dim = a.shape[1], b.shape[0]
+        N.tensor_set(f.a, np.ascontiguousarray(a), offset=r0 * in_dim * self._esize)
+        N.tensor_set_2d(f.b, np.ascontiguousarray(b), offset=r0 * self._esize, row_bytes=self.r * self._esize,
+                        n_rows=out_dim, stride_tensor=self.width * self._esize)
+
+    def _clear(self, k: int) -> None:
+        """Zero slot k everywhere (best effort, after a failed write: it must hold only finite values)."""
+        for t in self.targets:
+            f = self._facs[t]
+            try:
+                self._put(f, k * self.r, np.zeros((self.r, f.a_shape[1]), self._store),
+                          np.zeros((f.b_shape[0], self.r), self._store))
+            except Exception:  # noqa: BLE001 - the slot stays marked empty: its rows are never selected
+                pass
+
     # -- masks ---------------------------------------------------------------------------------
+    def decode(self, ctx: Context, entries: list[tuple[int, Sequence[tuple[int, float]]]]) -> None:
+        """Decode ctx's filled batch through the bank: plan the masks, decode, check every node.
+
+        `entries` are (n_tokens, [(slot, mask value), ...]) in batch order, as the batch was filled.
+        Raises BackendError (after the decode) when a bank node was not masked as planned.
+        """
+        b, o = ctx.batch, ctx.opts
+        ubs = plan_ubatches(b.seq[: b.n], o.n_ubatch, o.kv_unified)
+        self.set_plan(token_scales(self, entries), b.logits[: b.n] != 0, ubs)
+        try:
+            ctx.handle.decode(b)
+        except BaseException:
+            self.plan = None
+            raise
+        self.check()
+
     def set_plan(self, token_scales: np.ndarray, out_flags: np.ndarray,
                  ubatches: list[np.ndarray] | None = None) -> None:
         """Masks for the next decode: token_scales (n_tokens, K) in batch order → blocks of width r.
@@ -198,34 +361,58 @@ class SlotBank:
         full = np.repeat(np.asarray(token_scales, np.float32), self.r, axis=1)
         flags = np.asarray(out_flags, bool)
         ubs = ubatches if ubatches is not None else [np.arange(len(full))]
-        self.plan = MaskPlan([(full[u], full[u[flags[u]]]) for u in ubs], len(self.targets))
+        self.plan = MaskPlan([(_Mask(full[u]), _Mask(full[u[flags[u]]])) for u in ubs], len(self.targets))
 
     def callback(self, t: int, ask: bool) -> bool:
-        """cb_eval: stop at bank A·x nodes and scale them in place; never truncate the graph."""
+        """cb_eval: stop at bank A·x nodes and mask them in place; never truncate the graph."""
         if ask:  # called for every node of the graph: the cheapest test (one read, a set lookup) first
             return N.node_src0(t) in self._a_ptrs and N.node_op(t) == N.OP_MUL_MAT
+        try:
+            self._mask_node(t)
+        except Exception as e:  # noqa: BLE001 - raising here would silently skip the rest of the graph
+            if self.plan is not None:
+                self.plan.problems.append(f"mask callback failed: {type(e).__name__}: {e}")
+            try:
+                self._zero_node(t)
+            except Exception:  # noqa: BLE001 - check() fails this decode's requests either way
+                pass
+        return True
+
+    def _mask_node(self, t: int) -> None:
+        n_tok = N.node_ne1(t)
         plan = self.plan
-        if plan is None:
-            return True
+        if plan is None:  # nobody planned this decode: no adapter for anyone
+            self.unplanned += 1
+            self._zero_node(t)
+            return
         u = plan.masked // plan.per_ubatch
+        plan.masked += 1
         if u >= len(plan.ubatches):
             plan.problems.append("more bank nodes than planned ubatches")
-            return True
+            self._zero_node(t)
+            return
         full, out = plan.ubatches[u]
-        n_tok = N.node_ne1(t)
-        mask = full if n_tok == full.shape[0] else out if n_tok == out.shape[0] else None
-        plan.masked += 1
+        mask = full if n_tok == full.values.shape[0] else out if n_tok == out.values.shape[0] else None
         if mask is None:
-            plan.problems.append(f"node with {n_tok} tokens matches neither {full.shape[0]} nor {out.shape[0]}")
-            return True
+            plan.problems.append(f"node with {n_tok} tokens matches neither {full.values.shape[0]} "
+                                 f"nor {out.values.shape[0]}")
+            self._zero_node(t)
+            return
         view = self._node_view(t, n_tok)
         if view is not None:
-            view *= mask  # CPU: scale the node's output where it lies, no copies
+            mask.apply(view)  # CPU: mask the node's output where it lies, no copies
         else:
             data = N.tensor_get(t, np.empty((n_tok, self.width), np.float32))
-            data *= mask
+            mask.apply(data)
             N.tensor_set(t, data)
-        return True
+
+    def _zero_node(self, t: int) -> None:
+        n_tok = N.node_ne1(t)
+        view = self._node_view(t, n_tok)
+        if view is not None:
+            view.fill(0.0)
+        else:
+            N.tensor_set(t, np.zeros((n_tok, self.width), np.float32))
 
     def _node_view(self, t: int, n_tok: int) -> np.ndarray | None:
         """The node's host memory as (n_tok, width) floats; None off the host. Cached per memory place:
@@ -257,8 +444,8 @@ class SlotBank:
         self._dir.cleanup()
 
 
-def token_scales(bank: SlotBank, entries: list[tuple[int, list[tuple[int, float]]]]) -> np.ndarray:
-    """Rows of per-slot scales: entries = [(n_tokens, [(slot, scale), ...]), ...] in batch order."""
+def token_scales(bank: SlotBank, entries: Sequence[tuple[int, Sequence[tuple[int, float]]]]) -> np.ndarray:
+    """Rows of per-slot mask values: entries = [(n_tokens, [(slot, scale), ...]), ...] in batch order."""
     rows = []
     for n, pairs in entries:
         row = np.zeros(bank.K, np.float32)
@@ -268,4 +455,4 @@ def token_scales(bank: SlotBank, entries: list[tuple[int, list[tuple[int, float]
     return np.concatenate(rows) if rows else np.zeros((0, bank.K), np.float32)
 
 
-__all__ = ["SlotBank", "SlotsBusyError", "MaskPlan", "plan_ubatches", "token_scales", "Any"]
+__all__ = ["Admission", "MaskPlan", "SlotBank", "SlotsBusyError", "plan_ubatches", "token_scales"]

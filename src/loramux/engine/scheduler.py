@@ -19,7 +19,7 @@ from typing import Any
 
 from .. import _native as N
 from ..errors import BackendError, LoramuxError
-from .bank import SlotBank, plan_ubatches, token_scales
+from .bank import SlotBank
 from .model import Context, Model
 from .registry import AdapterSet
 from .sampling import Completion, SamplingParams, TextAssembler
@@ -35,8 +35,8 @@ class Phase:
     adapters: AdapterSet
     cvec: Any  # control-vector setting with .key and .apply(ctx_handle); None = none
     start: int  # first position of the phase
-    banked: bool = False  # served through the slot bank (per-token masks) instead of the adapter set
-    slot_scales: list[tuple[int, float]] = field(default_factory=list)  # (slot, mask value) once admitted
+    banked: bool = False  # served through the slot bank (per-token masks); the bank decides at admission
+    slot_scales: list[tuple[int, float]] = field(default_factory=list)  # (slot, request scale) once admitted
 
     @property
     def key(self) -> tuple[Any, ...]:
@@ -156,12 +156,9 @@ class Scheduler:
         try:
             self._apply(phase)
             if self.bank is not None:
-                b, o = self.ctx.batch, self.ctx.opts
-                ubs = plan_ubatches(b.seq[: b.n], o.n_ubatch, o.kv_unified)
-                self.bank.set_plan(token_scales(self.bank, entries), b.logits[: b.n] != 0, ubs)
-            self.ctx.handle.decode(self.ctx.batch)
-            if self.bank is not None:
-                self.bank.check()
+                self.bank.decode(self.ctx, entries)  # plans the per-token masks, decodes, checks them
+            else:
+                self.ctx.handle.decode(self.ctx.batch)
         except LoramuxError as e:
             for r, _ in plan:
                 self._finish(r, error=e)
@@ -187,7 +184,12 @@ class Scheduler:
         blocked: list[Request] = []
         while self.waiting and None in self.slots:
             r = self.waiting.pop(0)
-            if not self._acquire_slots(r):
+            try:
+                admitted = self._acquire_slots(r)
+            except LoramuxError as e:  # e.g. its slot write failed: this request fails, no other
+                self._finish(r, error=e)
+                continue
+            if not admitted:
                 blocked.append(r)  # its adapters wait for bank slots; later requests may still go
                 continue
             free = [i for i, s in enumerate(self.slots) if s is None]
@@ -205,22 +207,16 @@ class Scheduler:
         self.waiting[:0] = blocked
 
     def _acquire_slots(self, r: Request) -> bool:
-        """Bank slots for every adapter of the request's banked phases (all or none)."""
-        if self.bank is None or not any(ph.banked for ph in r.phases):
+        """Let the bank admit the request (banked with its slots, or native); False: wait for slots."""
+        if self.bank is None:
             return True
-        got: dict[int, int] = {}
-        for ph in r.phases:
-            for a, _ in ph.adapters.items if ph.banked else ():
-                if a.uid not in got:
-                    k = self.bank.acquire(a)
-                    if k is None:
-                        for held in got.values():
-                            self.bank.release(held)
-                        return False
-                    got[a.uid] = k
-        for ph in r.phases:
-            ph.slot_scales = [(got[a.uid], s * a.scaling) for a, s in ph.adapters.items] if ph.banked else []
-        r.slots = list(got.values())
+        adm = self.bank.admit([ph.adapters for ph in r.phases])
+        if adm is None:
+            return False
+        for i, ph in enumerate(r.phases):
+            ph.banked = adm.banked
+            ph.slot_scales = list(adm.scales[i]) if adm.banked else []
+        r.slots = list(adm.slots)
         return True
 
     def _reusable(self, seq: int, r: Request) -> int:
@@ -289,9 +285,7 @@ class Scheduler:
         adapters = [] if phase.banked else list(phase.adapters.items)
         if self.bank is not None:
             adapters.insert(0, (self.bank.adapter, 1.0))  # always in the graph: masks do the selecting
-        before = self.ctx.handle._adapters
-        self.ctx.handle.set_adapters([a.handle for a, _ in adapters], [s for _, s in adapters])
-        if self.ctx.handle._adapters != before:
+        if self.ctx.handle.set_adapters([a.handle for a, _ in adapters], [s for _, s in adapters]):
             self.stats["adapter_switches"] += 1
         ckey = getattr(phase.cvec, "key", None)
         if ckey != getattr(self.applied_cvec, "key", None):
