@@ -246,7 +246,8 @@ def test_writes_from_another_thread_are_serialized_with_generation(engine, tiny_
             assert engine.generate(PROMPT, max_tokens=16).finish_reason in ("stop", "length")
     finally:
         stop.set()
-        t.join()
+        t.join(60)
+    assert not t.is_alive(), "the writer thread did not stop"
     assert not errors
     # every live tensor holds one whole version (never a torn mix of f1 and f2)
     final = a.all_factors()
