@@ -556,6 +556,15 @@ def _check_failures(main: list, late_s5: list, late_s4: list) -> list:
     return [x for x in main + late_s5 if not isinstance(x[3], Exception)]
 
 
+def _check_count(ok: list, jobs: list, late_s5: list, churn: bool) -> None:
+    """Steady: all 35 answered. Churn: also the 6 s5 requests sent after the hot load, and at most the 7
+    short s4 requests refused (those still waiting when s4 was unloaded)."""
+    if churn:
+        assert len(late_s5) == 6 and len(jobs) - 7 + 6 <= len(ok) <= len(jobs) + 6, len(ok)
+    else:
+        assert len(ok) == len(jobs) == 35, len(ok)
+
+
 def _jobs() -> list[tuple[str, str, int]]:
     return LONG + [(list(SETS)[i % 5], PROMPTS[i % 8], 12) for i in range(32)]
 
@@ -574,9 +583,9 @@ def test_crosstalk_parallel_1_exact(tiny_model, adir, churn):
         assert len(same_prompt) >= 4 and len(set(same_prompt)) == len(same_prompt)  # the sets differ
         main, late_s5, late_s4 = _run_mixed(srv, eng, jobs, churn)
         ok = _check_failures(main, late_s5, late_s4)
-        assert len(ok) >= (len(jobs) - 7 if churn else len(jobs)) + len(late_s5)
-        for m, p, n, (text, _, _) in ok:
-            assert text == solo[(m, p, n)], (m, p, n)
+        _check_count(ok, jobs, late_s5, churn)
+        same = sum(text == solo[(m, p, n)] for m, p, n, (text, _, _) in ok)
+        assert same == len(ok), [(m, p, n) for m, p, n, (text, _, _) in ok if text != solo[(m, p, n)]]
         _wait_idle(eng)
 
 
@@ -584,15 +593,22 @@ def test_crosstalk_parallel_1_exact(tiny_model, adir, churn):
 @pytest.mark.parametrize("churn", [False, True], ids=["steady", "hot-load-unload"])
 def test_crosstalk_parallel_8_scored(tiny_model, adir, churn, slots):
     """Batched (not batch-invariant in general): each output is best explained by its own adapter set.
-    With the slot bank, requests on different adapters share each decode (4 slots for 5 adapters)."""
+    With the slot bank, requests on different adapters share each decode (4 slots for 5 adapters).
+
+    Asserted: every output (35 steady, at least 34 with churn) scores best under its own set by more
+    than 1 nat/token, and decodes did hold several sequences. How many outputs are byte-identical to
+    their solo runs depends on the CPU's kernels (batching moves logits by rounding), so that is printed only.
+    """
     jobs = _jobs()
     with serving(tiny_model, adir, loras=tuple(STRONG[:4]), parallel=8, slots=slots,
                  n_ctx=1100) as (srv, eng, _):
         c = client(srv)
         solo = {k: _ask(c, *k)[0] for k in set(jobs)}
+        before = eng.stats()["multi_seq_steps"]
         main, late_s5, late_s4 = _run_mixed(srv, eng, jobs, churn)
         ok = _check_failures(main, late_s5, late_s4)
-        assert len(ok) >= (len(jobs) - 7 if churn else len(jobs)) + len(late_s5)
+        _check_count(ok, jobs, late_s5, churn)
+        assert eng.stats()["multi_seq_steps"] > before, "no decode held two sequences: nothing was batched"
         _wait_idle(eng)
         for name in STRONG:  # every set in play, for scoring
             if name not in eng.adapters:
@@ -605,6 +621,7 @@ def test_crosstalk_parallel_8_scored(tiny_model, adir, churn, slots):
             best_other = min(v for s, v in nll.items() if s != m)
             margins.append(best_other - nll[m])
             assert nll[m] + 1.0 < best_other, (m, p, nll)
+        assert len(margins) == len(ok)
         same = sum(r[0] == solo[(m, p, n)] for m, p, n, r in ok if (m, p, n) in solo)
         total = sum((m, p, n) in solo for m, p, n, _ in ok)
         print(f"\ncross-talk parallel=8 slots={slots} churn={churn}: {same}/{total} outputs byte-identical to solo; "
@@ -613,8 +630,9 @@ def test_crosstalk_parallel_8_scored(tiny_model, adir, churn, slots):
 
 @pytest.mark.gemma
 def test_crosstalk_gemma_parallel_8_scored(gemma_path, tmp_path):
-    """The real model batched 8-way: every output is best explained by its own adapter set; prints how
-    many are byte-identical to their solo runs (llama.cpp's Q4_K kernels are not batch-invariant)."""
+    """The real model batched 8-way: all 12 outputs are best explained by their own adapter set; prints how
+    many are byte-identical to their solo runs (llama.cpp's Q4_K kernels are not batch-invariant, so that
+    count depends on the CPU and is not asserted)."""
     import numpy as np
 
     from loramux.gguf_io import read_header, write_adapter
@@ -632,8 +650,11 @@ def test_crosstalk_gemma_parallel_8_scored(gemma_path, tmp_path):
         jobs = [(m, p, 16) for m in sets for p in prompts]
         c = client(srv)
         solo = {k: _ask(c, *k)[0] for k in jobs}
+        before = eng.stats()["multi_seq_steps"]
         with ThreadPoolExecutor(len(jobs)) as ex:
             batched = list(ex.map(lambda k: _ask(c, *k), jobs))
+        assert len(batched) == len(jobs) == 12
+        assert eng.stats()["multi_seq_steps"] > before, "no decode held two sequences: nothing was batched"
         for (m, p, _), (_, prompt_ids, out_ids) in zip(jobs, batched):
             mask = [False] * len(prompt_ids) + [True] * len(out_ids)
             nll = {s: eng.loss_sum([prompt_ids + out_ids], loras=lo, masks=[mask])[0] / len(out_ids)
