@@ -1,12 +1,14 @@
 """Soak: hundreds of mixed requests against one server (random adapters and stacks, streams cut short,
 clients that give up, malformed requests, adapters loaded and unloaded meanwhile). The server must stay
-up, answer every request with the status its kind calls for (never a 5xx), free every sequence, and its
-memory must level off. Bounded in time so it fits CI."""
+up, answer every request with the status its kind calls for (never a 5xx) and a well-formed body, count
+what it served, free every sequence, and its memory must level off. A fixed number of requests, each under
+a client timeout; nothing is asserted about how fast they go."""
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import random
 import time
 from pathlib import Path
@@ -21,6 +23,7 @@ from loramux.server import LoraEntry, ServerSettings, create_app, serve_in_threa
 
 WORDS = ["the", "cat", "sat", "on", "mat", "dog", "ran", "hello", "world", "big", "red", "is", "and", "a"]
 ADAPTERS = ["a1", "a2", "a3"]
+WARM, MORE = 120, 480  # requests before the memory baseline, and after it
 
 
 class Soak:
@@ -29,6 +32,9 @@ class Soak:
         self.rng = random.Random(seed)
         self.counts: dict[str, int] = {}
         self.failures: list[str] = []
+        self.served = 0  # completions received whole (plain and stream, status 200)
+        self.cut = 0  # streams cut short by the client after a 200
+        self.abandoned = 0  # requests the client gave up on before an answer
 
     def note(self, kind: str, ok: bool, detail: str = "") -> None:
         self.counts[kind] = self.counts.get(kind, 0) + 1
@@ -53,18 +59,39 @@ class Soak:
         except httpx.TransportError as e:
             self.note(kind, False, f"{type(e).__name__}: {e}")
 
+    def check_completion(self, body: dict, result: dict) -> str | None:
+        """What is wrong with a completion's body, or None."""
+        choice, usage = result["choices"][0], result["usage"]
+        if not isinstance(choice["text"], str) or result["model"] != body["model"]:
+            return f"text {choice['text']!r}, model {result['model']!r} for {body['model']!r}"
+        n, cap = usage["completion_tokens"], body["max_tokens"]
+        if choice["finish_reason"] not in ("stop", "length") or n > cap or (choice["finish_reason"] == "length") != (n == cap):
+            return f"finish_reason {choice['finish_reason']!r} with {n} of at most {cap} tokens"
+        return None
+
     async def plain(self, c: httpx.AsyncClient) -> None:
         body = self.body()
         r = await c.post("/v1/completions", json=body)
-        ok = r.status_code == 200 or (r.status_code == 404 and body["model"] == "hot")
-        self.note("plain", ok, f"{r.status_code} {r.text[:200]}")
+        if r.status_code == 200:
+            self.served += 1
+            problem = self.check_completion(body, r.json())
+            self.note("plain", problem is None, f"{problem}: {r.text[:200]}")
+        else:
+            self.note("plain", r.status_code == 404 and body["model"] == "hot", f"{r.status_code} {r.text[:200]}")
 
     async def stream(self, c: httpx.AsyncClient) -> None:
         body = {**self.body(), "stream": True}
         async with c.stream("POST", "/v1/completions", json=body) as r:
             lines = [ln async for ln in r.aiter_lines() if ln]
-        ok = (r.status_code == 200 and lines[-1] == "data: [DONE]") or (r.status_code == 404 and body["model"] == "hot")
-        self.note("stream", ok, f"{r.status_code} {lines[-1:]}")
+        if r.status_code != 200:
+            self.note("stream", r.status_code == 404 and body["model"] == "hot", f"{r.status_code} {lines[-1:]}")
+            return
+        self.served += 1
+        chunks = [json.loads(ln.removeprefix("data: ")) for ln in lines[:-1]]
+        finish = [ch["choices"][0]["finish_reason"] for ch in chunks if ch["choices"]]
+        ok = (lines[-1] == "data: [DONE]" and all(ln.startswith("data: ") for ln in lines)
+              and finish and finish[-1] in ("stop", "length") and not any(finish[:-1]))
+        self.note("stream", bool(ok), f"{lines[-3:]}")
 
     async def cut_stream(self, c: httpx.AsyncClient) -> None:
         body = {**self.body(), "stream": True, "max_tokens": 150, "ignore_eos": True}
@@ -76,6 +103,7 @@ class Soak:
                 if n >= self.rng.randint(1, 4):
                     break  # leaving the block closes the connection mid-stream
         ok = r.status_code == 200 or (r.status_code == 404 and body["model"] == "hot")
+        self.cut += r.status_code == 200
         self.note("cut_stream", ok, f"{r.status_code} {body} {first[:300]}")
 
     async def give_up(self, c: httpx.AsyncClient) -> None:
@@ -83,7 +111,9 @@ class Soak:
         try:
             await c.post("/v1/completions", json=body, timeout=self.rng.uniform(0.001, 0.05))
         except httpx.TimeoutException:
-            pass
+            self.abandoned += 1
+        else:
+            self.served += 1
         self.note("give_up", True)
 
     async def bad(self, c: httpx.AsyncClient) -> None:
@@ -108,18 +138,19 @@ class Soak:
             ok = r.status_code in (200, 404)
         self.note("admin", ok, f"{r.status_code} {r.text[:200]}")
 
-    async def run(self, n: int, concurrency: int, deadline: float) -> int:
-        done = 0
+    async def run(self, n: int, concurrency: int) -> None:
+        """Send exactly `n` requests from `concurrency` workers. Every request is bounded by the client's
+        timeout, so the run is too; nothing here depends on how fast the machine is."""
+        sent = 0
         # keep-alive shorter than the server's 5 s, so a pooled connection never races its close
         limits = httpx.Limits(keepalive_expiry=1.0)
         async with httpx.AsyncClient(base_url=self.url, timeout=60, limits=limits) as c:
             async def worker() -> None:
-                nonlocal done
-                while done < n and time.monotonic() < deadline:
-                    done += 1
+                nonlocal sent
+                while sent < n:
+                    sent += 1
                     await self.one(c)
             await asyncio.gather(*(worker() for _ in range(concurrency)))
-        return done
 
 
 @pytest.fixture(scope="module")
@@ -144,25 +175,52 @@ def test_soak(tiny_model: Path, soak_dir: Path) -> None:
         r = httpx.post(srv.url + "/v1/load_lora_adapter", json={"lora_name": "a3", "lora_path": "a3.gguf"})
         assert r.status_code == 200, r.text
         soak = Soak(srv.url, seed=1234)
-        start = time.monotonic()
-        warm = asyncio.run(soak.run(120, 12, start + 20))
+        asyncio.run(soak.run(WARM, 12))
         gc.collect()
         rss_warm = proc.memory_info().rss
-        more = asyncio.run(soak.run(480, 12, start + 50))
+        asyncio.run(soak.run(MORE, 12))
         gc.collect()
         rss_end = proc.memory_info().rss
         assert not soak.failures, soak.failures[:10]
-        assert warm + more >= 200, (warm, more)
+        assert sum(soak.counts.values()) == WARM + MORE, soak.counts  # every request got its answer
+        assert set(soak.counts) == {"plain", "stream", "cut_stream", "give_up", "bad", "admin"}, soak.counts
         assert httpx.get(srv.url + "/health").json() == {"status": "ok"}
-        deadline = time.monotonic() + 30
-        while (s := eng.scheduler.snapshot())["running"] + s["waiting"] and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert s["running"] == 0 and s["waiting"] == 0, s  # every cut or abandoned request freed its slot
+        _wait_idle(eng)
         assert all(e.inflight == 0 for e in app.state.lm.pool.entries.values())
-        metrics = httpx.get(srv.url + "/metrics").text
+        # the server counted every completion the clients received whole; at most the cut and abandoned
+        # ones besides (those it may have finished before it saw the client leave)
+        metrics = _metrics_once_counted(srv.url, soak.served)
         assert 'status="5' not in metrics  # no request ever got a server error
+        ok = _metric_sum(metrics, "loramux_requests_total", 'status="200"')
+        assert soak.served <= ok <= soak.served + soak.cut + soak.abandoned, (ok, soak.served, soak.cut,
+                                                                              soak.abandoned)
         growth = rss_end - rss_warm
         evictions = [ln for ln in metrics.splitlines() if ln.startswith("loramux_adapter_evictions_total")]
-        print(f"\nsoak: {warm + more} requests {soak.counts}, RSS {rss_warm / 2**20:.0f} → "
-              f"{rss_end / 2**20:.0f} MiB in {time.monotonic() - start:.0f} s; {evictions}")
+        print(f"\nsoak: {WARM + MORE} requests {soak.counts}, RSS {rss_warm / 2**20:.0f} → "
+              f"{rss_end / 2**20:.0f} MiB; {evictions}")
         assert growth < 64 * 2**20, f"RSS grew by {growth / 2**20:.0f} MiB after warm-up"
+
+
+def _wait_idle(eng: lm.Engine, timeout: float = 120.0) -> None:
+    """Wait (bounded) until every cut or abandoned request has freed its sequence."""
+    deadline = time.monotonic() + timeout
+    while (s := eng.scheduler.snapshot())["running"] + s["waiting"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert s["running"] == 0 and s["waiting"] == 0, s
+
+
+def _metrics_once_counted(url: str, served: int, timeout: float = 30.0) -> str:
+    """/metrics once the server has recorded `served` successes (a stream is recorded as it closes, which
+    may come just after the client read its last line); bounded."""
+    deadline = time.monotonic() + timeout
+    text = httpx.get(url + "/metrics").text
+    while _metric_sum(text, "loramux_requests_total", 'status="200"') < served and time.monotonic() < deadline:
+        time.sleep(0.05)
+        text = httpx.get(url + "/metrics").text
+    return text
+
+
+def _metric_sum(text: str, name: str, label: str) -> float:
+    """Sum of a Prometheus metric's samples that carry `label` (e.g. 'status="200"')."""
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
+               if ln.startswith(name + "{") and label in ln)
