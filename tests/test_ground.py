@@ -96,3 +96,17 @@ def test_merge_lora_arg_refuses_a_name() -> None:
     with pytest.raises(ParameterError) as e:
         parse_lora_arg("style=a.gguf:0.5")
     assert e.value.parameter == "--lora" and "./style=a.gguf:0.5" in (e.value.hint or "")
+
+
+def test_bf16_keeps_every_nan_a_nan():
+    """A NaN must never round into a finite value or Inf (a later finiteness check relies on it)."""
+    from loramux.ggml_types import from_bf16_bits, to_bf16_bits
+
+    rng = np.random.default_rng(0)
+    mant = np.concatenate([rng.integers(1, 1 << 23, 4096, dtype=np.uint32),
+                           np.array([1, 0x7FFF, 0x7F8000, 0x7FFFFF, 0x400000], np.uint32)])
+    for sign in (0, 0x80000000):
+        bits = (np.uint32(sign) | np.uint32(0x7F800000) | mant).astype(np.uint32)
+        out = from_bf16_bits(to_bf16_bits(bits.view(np.float32)))
+        assert np.isnan(out).all()
+        assert (np.signbit(out) == bool(sign)).all()

@@ -29,11 +29,20 @@ ELEMENT_SIZE: dict[int, int] = {t: np.dtype(d).itemsize for t, d in STORAGE_DTYP
 def to_bf16_bits(x: Any) -> np.ndarray:
     """float32 → bfloat16 bit patterns as uint16, rounded to nearest even (as torch and ggml round).
 
-    NaN is not guarded: one whose mantissa starts with eight set bits (e.g. 0x7FFF8000) carries
-    into the sign and comes out as ±0.0; np.nan and ±Inf convert to themselves.
+    Every NaN stays a NaN: its top half is kept (sign and payload, so bf16 NaNs round-trip), with the
+    quiet bit set if that half alone would read as Inf. Rounding alone would carry a NaN whose
+    mantissa starts with eight set bits (e.g. 0x7FFF8000) into the exponent and sign and turn it
+    into ±0.0, so a finiteness check after the conversion would pass it as a harmless number.
+    ±Inf convert to themselves.
     """
     bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    if nan.any():
+        top = (bits >> 16).astype(np.uint16)
+        top = np.where(top & 0x7F, top, top | np.uint16(0x40))
+        rounded = np.where(nan, top, rounded)
+    return rounded
 
 
 def from_bf16_bits(u: np.ndarray) -> np.ndarray:
