@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import pytest
-from tinymodel import random_factors
+from tinymodel import base_shapes, random_factors
 
 from loramux.engine.adapters import LoRAAdapter
 from loramux.engine.bank import SlotBank, token_scales
@@ -236,3 +238,240 @@ def test_adapter_too_big_for_a_slot_is_served_the_ordinary_way(bank_engine, tmp_
     assert "big" not in eng.bank.resident()
     first = int(np.argmax(eng.logits(toks, loras={"big": 1.0})[-1]))
     assert c.tokens[0] == first
+
+
+# ------------------------------------------------------------------ every adapter shape against native
+#
+# Each shape is compared with the native load of the same file, on the tiny model's F32 weights with an
+# F32 KV cache, against a noise floor measured in the same test: the same native comparison with every
+# B scaled by (1 + 1e-7). The bank's arithmetic differs from llama.cpp's native LoRA only by a few
+# roundings of each delta (the rank zero-padded to the slot rank sums in another order; alpha/rank is
+# folded into B instead of scaling B·A·x; the request scale multiplies A·x), each about the size of that
+# perturbation. TOL_FLOORS floors leave room for those few roundings; an actual error (a wrong per-tensor
+# scaling, a missing or stale row) moves the logits by more than 1000·TOL_FLOORS floors, which each
+# comparison also checks, so it could see one.
+
+TOL_FLOORS = 32
+QV = tuple(n for n in base_shapes() if n.split(".")[2] in ("attn_q", "attn_v"))
+
+
+@dataclass
+class Shape:
+    factors: dict[str, tuple[np.ndarray, np.ndarray]]
+    alpha: float
+    scale: float = 1.0
+    dtype: str = "f32"
+
+
+def _f32_ctx(model, callback=None):
+    return Context(model, ContextOptions(n_ctx=512, n_batch=64, n_ubatch=64, n_seq_max=4, n_threads=2,
+                                         kv_unified=True, kv_type="f32"), callback=callback)
+
+
+def _every_logit(ctx, seq_tokens, before=None) -> list[np.ndarray]:
+    """One batch of every sequence; each sequence's logits at every position (n_tok, n_vocab)."""
+    ctx.clear()
+    ctx.batch.clear()
+    for s, toks in enumerate(seq_tokens):
+        ctx.batch.add(toks, 0, s, True)
+    if before:
+        before()
+    ctx.handle.decode(ctx.batch)
+    rows = np.array([ctx.handle.logits_row(i) for i in range(ctx.batch.n)])
+    ends = np.cumsum([len(t) for t in seq_tokens])
+    return np.split(rows, ends[:-1])
+
+
+def _per_layer(ranks: dict[str, int], default: int, seed: int, scale: float = 0.3,
+               targets: tuple[str, ...] | None = None) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """PEFT rank_pattern: target → its own rank (a key matches targets containing it), else `default`."""
+    full = random_factors(rank=max([default, *ranks.values()]), seed=seed, scale=scale, targets=targets)
+    out = {}
+    for t, (a, b) in full.items():
+        r = next((v for k, v in ranks.items() if k in t), default)
+        out[t] = (a[:r].copy(), b[:, :r].copy())
+    return out
+
+
+def _native_file(model, path, shape, tmp, name):
+    """The native reference: the file itself (F32), or its values widened to F32 (F16/BF16, see below)."""
+    ad = LoRAAdapter(model, path, name)
+    if shape.dtype == "f32":
+        return ad, ad.all_factors()
+    values = ad.all_factors()
+    ad.close()
+    return LoRAAdapter(model, write_adapter(tmp / f"{name}-f32.gguf", "llama", values, shape.alpha), name), values
+
+
+def _check_against_native(model, tmp, shapes: list[Shape], *, slot_rank: int = 8, stale: bool = False) -> None:
+    """Sequence i runs shape i through a 4-slot bank in one mixed batch (the rest: no adapter); each
+    sequence against the native load of its shape's file. `stale`: every slot first held a full-rank
+    adapter over every projection, so a write that leaves rows or targets alone is seen."""
+    bank = SlotBank(model, 4, slot_rank)
+    users = [LoRAAdapter(model, write_adapter(tmp / f"s{i}.gguf", "llama", s.factors, s.alpha, dtype=s.dtype),
+                         f"s{i}") for i, s in enumerate(shapes)]
+    if stale:
+        fill = [LoRAAdapter(model, write_adapter(tmp / f"fill{k}.gguf", "llama",
+                                                 random_factors(rank=slot_rank, seed=50 + k), 1.0), f"f{k}")
+                for k in range(4)]
+        for f in fill:
+            bank.acquire(f)
+        for k, f in enumerate(fill):
+            bank.release(k)
+            bank.forget(f)
+            f.close()
+    seq_tokens = [model.tokenize(p) for p in PROMPTS]
+    slots = [bank.acquire(u) for u in users]
+    entries = [(len(t), [(slots[i], shapes[i].scale)] if i < len(shapes) else []) for i, t in enumerate(seq_tokens)]
+    bctx, nctx = _f32_ctx(model, bank.callback), _f32_ctx(model)
+    try:
+        bctx.handle.set_adapters([bank.adapter.handle], [1.0])
+        n = sum(len(t) for t in seq_tokens)
+        got = _every_logit(bctx, seq_tokens, lambda: bank.set_plan(token_scales(bank, entries), np.ones(n, bool)))
+        bank.check()
+        base = _every_logit(nctx, seq_tokens)
+        for i, (s, u) in enumerate(zip(shapes, users)):
+            native, values = _native_file(model, u.path, s, tmp, f"n{i}")
+            bumped = {t: (a, (b.astype(np.float64) * (1 + 1e-7)).astype(np.float32)) for t, (a, b) in values.items()}
+            perturbed = LoRAAdapter(model, write_adapter(tmp / f"p{i}.gguf", "llama", bumped, s.alpha), f"p{i}")
+            nctx.handle.set_adapters([native.handle], [s.scale])
+            want = _every_logit(nctx, seq_tokens)[i]
+            nctx.handle.set_adapters([perturbed.handle], [s.scale])
+            floor = float(np.abs(_every_logit(nctx, seq_tokens)[i] - want).max())
+            nctx.handle.set_adapters([], [])
+            for a in {native, perturbed} - {u}:
+                a.close()
+            diff = float(np.abs(got[i] - want).max())
+            effect = float(np.abs(want - base[i]).max())
+            assert floor > 0, f"shape {i}: the perturbation moved nothing; the comparison would see nothing"
+            assert effect > 1000 * TOL_FLOORS * floor, (i, effect, floor)
+            assert diff <= TOL_FLOORS * floor, f"shape {i}: bank vs native max |Δlogit| {diff:.3g}, floor {floor:.3g}"
+        for i in range(len(shapes), len(seq_tokens)):
+            assert np.array_equal(got[i], base[i]), f"sequence {i} without an adapter is not exactly the base"
+    finally:
+        bctx.close()
+        nctx.close()
+        for u in users:
+            u.close()
+        bank.close()
+
+
+@pytest.fixture()
+def f32_model(tiny_model):
+    model = Model(tiny_model)
+    yield model
+    model.close()
+
+
+def test_bank_alpha_not_rank_matches_native(f32_model, tmp_path):
+    """alpha ≠ rank: alpha/rank 1.5 and 0.75, and alpha 0 (llama.cpp: no alpha/rank factor at all)."""
+    _check_against_native(f32_model, tmp_path, [
+        Shape(random_factors(rank=4, seed=11, scale=0.3), alpha=6.0, scale=0.7),
+        Shape(random_factors(rank=4, seed=12, scale=0.3), alpha=3.0, scale=1.3),
+        Shape(random_factors(rank=4, seed=13, scale=0.3), alpha=0.0),
+    ], slot_rank=4)
+
+
+def test_bank_adapters_of_different_ranks_in_one_bank(f32_model, tmp_path):
+    """Ranks 2, 3, 5 and 8 side by side in slots of rank 8 that held rank-8 adapters before: the rows
+    above each adapter's rank must be zeroed, not left from the previous occupant."""
+    _check_against_native(f32_model, tmp_path, [
+        Shape(random_factors(rank=2, seed=21, scale=0.3), alpha=4.0),
+        Shape(random_factors(rank=3, seed=22, scale=0.3), alpha=4.0, scale=0.6),
+        Shape(random_factors(rank=5, seed=23, scale=0.3), alpha=8.0),
+        Shape(random_factors(rank=8, seed=24, scale=0.3), alpha=8.0, scale=0.8),
+    ], stale=True)
+
+
+def test_bank_partial_targets_match_native(f32_model, tmp_path):
+    """Only q and v (and only ffn_down), written into slots that held full adapters before."""
+    downs = tuple(n for n in base_shapes() if ".ffn_down." in n)
+    _check_against_native(f32_model, tmp_path, [
+        Shape(random_factors(rank=4, seed=31, scale=0.4, targets=QV), alpha=8.0, scale=0.9),
+        Shape(random_factors(rank=2, seed=32, scale=0.4, targets=downs), alpha=2.0),
+    ], stale=True)
+
+
+def test_bank_per_layer_ranks_match_native(f32_model, tmp_path):
+    """PEFT rank_pattern: llama.cpp scales each tensor by alpha over its own rank (b->ne[0])."""
+    _check_against_native(f32_model, tmp_path, [
+        Shape(_per_layer({"attn_q": 4, "blk.1.ffn_down": 2}, 8, seed=41), alpha=8.0),
+        Shape(_per_layer({"blk.0.": 6, "blk.1.": 3}, 8, seed=42), alpha=12.0, scale=0.7),
+        Shape(_per_layer({"attn_v": 2}, 5, seed=43, targets=QV), alpha=0.0),  # alpha 0: factor 1 everywhere
+    ], stale=True)
+
+
+def test_bank_f16_and_bf16_factors(f32_model, tmp_path):
+    """F16 and BF16 files go into the F32 bank exactly. The reference is the native load of the same
+    values widened to F32: llama.cpp's native F16/BF16 LoRA matmul first rounds the activations to
+    F16/BF16, which the bank does not (docs/server.md); that difference is not the bank's error."""
+    f = _per_layer({"attn_q": 2}, 4, seed=51)
+    _check_against_native(f32_model, tmp_path, [
+        Shape(f, alpha=6.0, scale=0.8, dtype="f16"),
+        Shape(f, alpha=6.0, scale=0.8, dtype="bf16"),
+        Shape(random_factors(rank=3, seed=52, scale=0.3, targets=QV), alpha=3.0, dtype="f16"),
+    ])
+
+
+# ------------------------------------------------------------------ numeric safety
+
+def test_garbage_in_an_unused_slot_never_reaches_any_sequence(setup):
+    """Masks select rows: whatever a slot no sequence uses holds (here finite values so large that its
+    A·x overflows to Inf, as an unloaded adapter's leftovers might), every sequence is bit-identical to
+    its control, base-model sequences included. A mask that multiplied by 0 would make that Inf NaN."""
+    model, bank, users, tmp = setup
+    slots = [bank.acquire(u) for u in users[:2]]
+    junk = next(k for k in range(K) if k not in slots)
+    rows = slice(junk * R, junk * R + R)
+    huge = {}
+    for t in bank.targets:
+        a, b = bank.adapter.get_factors(t)
+        a[rows], b[:, rows] = 3e38, 0.5
+        huge[t] = (a, b)
+    bank.adapter.set_factors_multi(huge)
+    seq_tokens = [model.tokenize(p) for p in PROMPTS]
+    wants = [[(slots[0], 1.0)], [(slots[1], 1.0)], [], []]
+    flags = np.concatenate([[0] * (len(t) - 1) + [1] for t in seq_tokens]) != 0
+    ctx, plain = _ctx(model, bank.callback), _ctx(model)
+    try:
+        ctx.handle.set_adapters([bank.adapter.handle], [1.0])
+        scales = token_scales(bank, [(len(t), w) for t, w in zip(seq_tokens, wants)])
+        mixed = _run_batch(ctx, model, seq_tokens, lambda: bank.set_plan(scales, flags))
+        bank.check()
+        assert all(np.isfinite(m).all() for m in mixed)
+        for i in range(2):
+            pad = _padded(bank, users[i], slots[i], tmp / f"pad{i}.gguf")
+            plain.handle.set_adapters([pad.handle], [1.0])
+            assert np.array_equal(mixed[i], _run_batch(plain, model, seq_tokens)[i]), f"seq {i}"
+            plain.handle.set_adapters([], [])
+            pad.close()
+        base = _run_batch(plain, model, seq_tokens)
+        assert np.array_equal(mixed[2], base[2]) and np.array_equal(mixed[3], base[3])
+    finally:
+        ctx.close()
+        plain.close()
+
+
+def test_factors_whose_delta_could_overflow_are_refused_at_load(f32_model, tmp_path):
+    """The bound of docs/server.md: max|A|·in, |alpha|·max|B| and their product each at most 2^64."""
+    from loramux.errors import AdapterError
+
+    t = "blk.0.attn_q.weight"
+    n_in = base_shapes()[t][1]
+
+    def load(name, a_max, b_max, alpha=4.0):
+        f = random_factors(rank=4, seed=61, scale=0.3)
+        a, b = f[t]
+        f[t] = (a / np.abs(a).max() * a_max, b / np.abs(b).max() * b_max)
+        return LoRAAdapter(f32_model, write_adapter(tmp_path / f"{name}.gguf", "llama", f, alpha), name)
+
+    edge = 2.0 ** 64 / n_in  # max|A| at which max|A|·in is exactly 2^64
+    ok = load("edge", edge / 2, 2.0 ** -4 / 4)  # g_A = 2^63, g_B = 2^-4: within every bound
+    ok.close()
+    for name, a_max, b_max in [("issue", 3e38, 3e38), ("a-stage", edge * 2, 2.0 ** -8),
+                               ("b-stage", 1e-3, 2.0 ** 63), ("product", 2.0 ** 40 / n_in, 2.0 ** 24)]:
+        with pytest.raises(AdapterError, match="overflow F32") as e:
+            load(name, a_max, b_max)
+        assert t in str(e.value), name
+    with pytest.raises(AdapterError, match="alpha"):
+        load("nan-alpha", 0.3, 0.3, alpha=float("nan"))
