@@ -109,12 +109,15 @@ class Soak:
     async def give_up(self, c: httpx.AsyncClient) -> None:
         body = {**self.body(), "max_tokens": 150, "ignore_eos": True}
         try:
-            await c.post("/v1/completions", json=body, timeout=self.rng.uniform(0.001, 0.05))
+            r = await c.post("/v1/completions", json=body, timeout=self.rng.uniform(0.001, 0.05))
         except httpx.TimeoutException:
             self.abandoned += 1
-        else:
-            self.served += 1
-        self.note("give_up", True)
+            self.note("give_up", True)
+            return
+        # answered before the client gave up (a 404 for an unloaded "hot" comes back at once)
+        self.served += r.status_code == 200
+        ok = r.status_code == 200 or (r.status_code == 404 and body["model"] == "hot")
+        self.note("give_up", ok, f"{r.status_code} {r.text[:200]}")
 
     async def bad(self, c: httpx.AsyncClient) -> None:
         r = self.rng
