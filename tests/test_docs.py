@@ -444,3 +444,21 @@ def test_shell_sample_parses(block: Block) -> None:
                 _parser().parse_args(argv)
         except SystemExit as e:
             pytest.fail(f"{block.id}: `loramux {shlex.join(argv)}` is refused by the parser (exit {e.code})")
+
+
+# ------------------------------------------------------------------------------------------ README vs CI
+def test_readme_test_commands_are_what_ci_runs() -> None:
+    """README's test command is .ci/run's, and both get the deterministic build from one script."""
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    det_test = (ROOT / "tests" / "test_deterministic.py").read_text(encoding="utf-8")
+    script = ROOT / "scripts" / "det-venv.sh"
+    shell = [ln for b in read_blocks(ROOT / "README.md") if b.lang == "bash" for ln in b.code.splitlines()]
+    assert 'pip install -e ".[dev]" && python -m pytest -q' in shell
+    ci_lines = [ln.strip() for ln in ci.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    assert 'python -m pip install --quiet -e ".[dev]"' in ci_lines and ci_lines[-1] == "python -m pytest -q"
+    det = next(ln for ln in shell if "scripts/det-venv.sh" in ln)
+    assert det.endswith("LORAMUX_DET_PYTHON=$det python -m pytest -q"), det
+    assert 'LORAMUX_DET_PYTHON="$(scripts/det-venv.sh)"' in ci and "export LORAMUX_DET_PYTHON" in ci
+    assert 'os.environ.get("LORAMUX_DET_PYTHON")' in det_test
+    assert script.exists() and script.stat().st_mode & 0o111, "scripts/det-venv.sh must be executable"
+    assert "wheels/llamafile-off" in script.read_text(encoding="utf-8")
