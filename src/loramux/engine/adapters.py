@@ -25,6 +25,7 @@ from ..gguf_io import (
     LORA_A,
     LORA_B,
     AdapterFileInfo,
+    PinnedFile,
     read_adapter_factors,
     sha256_file,
     validate_adapter,
@@ -55,9 +56,11 @@ class LoRAAdapter:
                  run: Callable[[Callable[[], Any]], Any] | None = None, *, source: str | None = None,
                  info: AdapterFileInfo | None = None,
                  write: Callable[[Callable[[], Any]], Any] | None = None) -> None:
-        self.info = info or validate_adapter(path, model.architecture, model.tensor_shapes)
+        # Opened once: the checks below and llama.cpp's load read the same file (no swap in between).
+        pin = PinnedFile(path)
+        self.info = info or validate_adapter(path, model.architecture, model.tensor_shapes, fd=pin.fd)
         # Read the factors once: for the NaN/Inf check now and the discovery self-check below.
-        file_factors = read_adapter_factors(path)
+        file_factors = read_adapter_factors(path, fd=pin.fd)
         bad = [t for t, (a, b) in file_factors.items() if not (np.isfinite(a).all() and np.isfinite(b).all())]
         if bad:
             raise AdapterError(str(path), "cannot be used",
@@ -79,8 +82,9 @@ class LoRAAdapter:
         self._factors: dict[str, FactorTensors] | None = None
         self._stage: FactorStage | None = None  # created by the first write
         self._sha: str | None = None
-        self.handle = N.AdapterHandle.load(model.handle, str(self.path))
+        self.handle = N.AdapterHandle.load(model.handle, pin.native_path)
         try:
+            pin.close(check=True)  # refuses a file rewritten (or, without /proc, replaced) during the load
             tokens = self.handle.alora_invocation_tokens()
             self.invocation_tokens: tuple[int, ...] = tuple(tokens) or self.info.invocation_tokens
             self._discover(file_factors)
