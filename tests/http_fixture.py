@@ -38,6 +38,8 @@ class Blob:
     chunk_delay: float = 0.0  # sleep between 16 KiB chunks
     redirect: str | None = None  # answer 302 to this URL (with `headers` on the 302)
     ranges: bool = True  # honour Range requests
+    chunked: bool = False  # send the body with Transfer-Encoding: chunked and no Content-Length
+    gate: threading.Event | None = None  # hold the body until this is set (or the server stops)
 
     def current_etag(self) -> str:
         return self.etag or '"' + hashlib.sha256(self.data).hexdigest()[:32] + '"'
@@ -51,6 +53,7 @@ class Request:
     status: int = 0
     sent: int = 0  # body bytes written
     scheme: str = "http"  # "https" when the request came over TLS
+    done: bool = False  # the handler finished writing the body (or gave up on a client that left)
 
     def header(self, name: str) -> str | None:
         """A request header, looked up case-insensitively (huggingface_hub sends lower-case names)."""
@@ -180,7 +183,10 @@ def _make_handler(server: Server) -> type[BaseHTTPRequestHandler]:
                 start, status = int(rng.split("=")[1].split("-")[0]), 206
             record.status = status
             self.send_response(status)
-            self.send_header("Content-Length", str(len(data) - start))
+            if blob.chunked:
+                self.send_header("Transfer-Encoding", "chunked")
+            else:
+                self.send_header("Content-Length", str(len(data) - start))
             self.send_header("ETag", etag)
             if blob.last_modified:
                 self.send_header("Last-Modified", blob.last_modified)
@@ -196,6 +202,9 @@ def _make_handler(server: Server) -> type[BaseHTTPRequestHandler]:
         def _write_body(self, record: Request, blob: Blob, start: int) -> None:
             if blob.slow and server.stopping.wait(blob.slow):
                 return
+            while blob.gate is not None and not blob.gate.is_set():
+                if server.stopping.wait(0.02):
+                    return
             stop = len(blob.data)
             if blob.truncate_at is not None:
                 stop = min(stop, max(start, blob.truncate_at))
@@ -205,13 +214,16 @@ def _make_handler(server: Server) -> type[BaseHTTPRequestHandler]:
             try:
                 while pos < stop:
                     piece = blob.data[pos:min(stop, pos + 16384)]
-                    self.wfile.write(piece)
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece) if blob.chunked else piece)
                     pos += len(piece)
                     record.sent += len(piece)
                     if blob.chunk_delay and server.stopping.wait(blob.chunk_delay):
                         break
+                if blob.chunked and pos >= len(blob.data):
+                    self.wfile.write(b"0\r\n\r\n")
             except OSError:  # the client went away (cancelled): nothing to do
                 pass
+            record.done = True
             if stop < len(blob.data):  # cut the connection short of the announced Content-Length
                 self.wfile.flush()
                 self.close_connection = True

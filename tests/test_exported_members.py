@@ -20,9 +20,9 @@ PUBLIC = {
 }
 ERRORS = {
     "AdapterError", "AdapterNotFoundError", "BackendError", "ChecksumError", "ContextLengthError",
-    "ControlVectorError", "ConversionError", "DownloadCancelled", "DownloadError", "EngineClosedError",
-    "FactorError", "GGUFFormatError", "LoramuxError", "ModelError", "ParameterError", "ProbeMismatch",
-    "ScaleError", "SlotsBusyError", "SourceError", "TrainingError",
+    "ControlVectorError", "ConversionError", "DownloadCancelled", "DownloadError", "DownloadRefused",
+    "EngineClosedError", "FactorError", "GGUFFormatError", "LoramuxError", "ModelError", "ParameterError",
+    "ProbeMismatch", "ScaleError", "SlotsBusyError", "SourceError", "TrainingError",
 }
 
 

@@ -10,6 +10,7 @@ import errno
 import hashlib
 import os
 import shutil
+import socket
 import ssl
 import subprocess
 import sys
@@ -21,8 +22,15 @@ import pytest
 from http_fixture import Request, Server, make_tls
 
 import loramux.sources
-from loramux.errors import ChecksumError, DownloadCancelled, DownloadError, ParameterError, SourceError
-from loramux.sources import CancelToken, Source, pull, resolve, tqdm_progress, url_cache_path
+from loramux.errors import (
+    ChecksumError,
+    DownloadCancelled,
+    DownloadError,
+    DownloadRefused,
+    ParameterError,
+    SourceError,
+)
+from loramux.sources import CancelToken, Source, guard, pull, resolve, tqdm_progress, url_cache_path
 
 SIZE = 300 * 1024
 FAST = {"retries": 2, "backoff": 0.01, "backoff_max": 0.02, "timeout": 2.0}
@@ -272,7 +280,7 @@ def test_slow_server_times_out(server: Server) -> None:
 
 def test_html_instead_of_gguf(server: Server) -> None:
     server.add("/page.gguf", b"", html=True)
-    with pytest.raises(DownloadError, match=r"HTML page, not a GGUF file \(got '<!DOCTYPE'"):
+    with pytest.raises(DownloadError, match=r"HTML page, not a GGUF file"):
         resolve(server.url("/page.gguf"), **FAST)
     final = url_cache_path(server.url("/page.gguf"))
     assert not final.exists() and not final.with_name(final.name + ".partial").exists()
@@ -604,3 +612,302 @@ def test_hf_refuses_custom_credential_headers(hub: Server) -> None:
     assert hub.requests == []
     path = resolve("hf://owner/repo/sub/adapter.gguf", headers={"Accept-Language": "en"})  # no credential: fine
     assert path.read_bytes() == fake_gguf(seed=10)
+
+
+# ------------------------------------------------------------------------------------------ hostile sources
+# Each test below names the finding it guards: hf:// names that walk the file system, downloads without a size
+# cap, decoded bodies, long redirect chains, and remote loads that reach loopback, link-local and private hosts.
+
+SECRET = "/TOPSECRET-3f1c"  # starts with '/': huggingface_hub's pointer-path check used to quote it back
+
+
+@pytest.mark.parametrize("text", ["hf://own--er/repo/x.gguf", "hf://owner/re..po/x.gguf", "hf://-owner/repo/x.gguf",
+                                  "hf://owner/repo.git/x.gguf", "hf://own er/repo/x.gguf",
+                                  "hf://owner/" + "r" * 97 + "/x.gguf", "hf://datasets/own--er/repo/x.gguf"])
+def test_hf_repo_id_validated_like_huggingface_hub(text: str) -> None:
+    with pytest.raises(SourceError, match="repo id") as info:
+        Source.parse(text)
+    assert not isinstance(info.value, DownloadError)
+
+
+@pytest.mark.parametrize("revision", ["../../../../secret.txt", "/etc/passwd", "refs/../../x", "main/..",
+                                      "a/../../b", "..", "v1\x00"])
+def test_hf_revision_that_walks_is_refused(revision: str) -> None:
+    with pytest.raises(SourceError, match="revision"):
+        Source.parse(f"hf://owner/repo/x.gguf@{revision}")
+
+
+def test_hf_revision_forms_that_stay_valid() -> None:
+    for revision in ("refs/pr/1", "main", "v1.0", "a" * 40, "feature/x..y", "release-1.2"):
+        assert Source.parse(f"hf://owner/repo/x.gguf@{revision}").revision == revision
+
+
+def test_hf_revision_walk_reads_and_echoes_nothing(hub: Server, tmp_path: Path) -> None:
+    # The repo's cache folder exists (a first load), so a walk out of its refs/ folder would reach tmp_path.
+    resolve("hf://owner/repo/sub/adapter.gguf")
+    (tmp_path / "secret.txt").write_text(SECRET)
+    walk = "hf://owner/repo/sub/adapter.gguf@../../../../secret.txt"
+    with pytest.raises(SourceError) as info:
+        resolve(walk)
+    assert SECRET not in str(info.value) and "TOPSECRET" not in str(info.value)
+    # A Source built by hand skips parse: the fetcher checks the revision itself before huggingface_hub runs.
+    handmade = Source(kind="hf", text="x", repo_id="owner/repo", filename="sub/adapter.gguf",
+                      revision="../../../../secret.txt")
+    before = len(hub.requests)
+    with pytest.raises(SourceError, match="revision") as info:
+        resolve(handmade)
+    assert "TOPSECRET" not in str(info.value) and len(hub.requests) == before
+
+
+def test_hf_file_outside_the_hub_cache_is_refused(hub: Server, tmp_path: Path) -> None:
+    # A cache entry that is a symlink out of the cache (planted, or a cache shared with another user) is refused.
+    cached = resolve("hf://owner/repo/sub/adapter.gguf")
+    outside = tmp_path / "outside.gguf"
+    outside.write_bytes(fake_gguf(seed=99))
+    cached.unlink()
+    cached.symlink_to(outside)
+    with pytest.raises(SourceError, match="outside the Hugging Face cache") as info:
+        resolve("hf://owner/repo/sub/adapter.gguf")
+    assert str(outside) not in str(info.value)
+
+
+def test_hf_unexpected_failure_does_not_echo_its_text(hub: Server) -> None:
+    # The Hub names a commit that is an absolute path: huggingface_hub refuses it with a ValueError quoting it.
+    # Whatever an unexpected exception says (it may quote a file it read), the message names only its type.
+    hub_file(hub, "main", SECRET, fake_gguf(seed=13), name="odd.gguf")
+    with pytest.raises(DownloadError) as info:
+        resolve("hf://owner/repo/odd.gguf")
+    assert "TOPSECRET" not in str(info.value)
+
+
+def test_not_gguf_message_quotes_no_bytes(server: Server) -> None:
+    server.add("/text.gguf", b"TOPSECRET-3f1c and more of a private file")
+    with pytest.raises(DownloadError, match="not a GGUF file") as info:
+        resolve(server.url("/text.gguf"), **FAST)
+    assert "TOPSECRET" not in str(info.value)
+
+
+def test_size_cap_from_content_length(server: Server) -> None:
+    server.add("/big.gguf", fake_gguf())
+    seen: list[int] = []
+    with pytest.raises(DownloadRefused, match="max_bytes") as info:
+        resolve(server.url("/big.gguf"), max_bytes=SIZE - 1, progress=lambda r, t: seen.append(r), **FAST)
+    assert info.value.reason == "too_large"
+    assert max(seen, default=0) == 0  # refused on the announced length, before one body byte was stored
+    final = url_cache_path(server.url("/big.gguf"))
+    assert not final.exists() and not final.with_name(final.name + ".partial").exists()
+    assert len(gets(server, "/big.gguf")) == 1  # a refusal is not retried
+    assert resolve(server.url("/big.gguf"), max_bytes=SIZE).read_bytes() == fake_gguf()  # the cap is inclusive
+
+
+def test_size_cap_while_streaming(server: Server) -> None:
+    server.add("/chunked.gguf", fake_gguf(), chunked=True)  # no Content-Length to check up front
+    seen: list[int] = []
+    cap = 100 * 1024
+    with pytest.raises(DownloadRefused, match="max_bytes") as info:
+        resolve(server.url("/chunked.gguf"), max_bytes=cap, progress=lambda r, t: seen.append(r), **FAST)
+    assert info.value.reason == "too_large" and max(seen) <= cap
+    final = url_cache_path(server.url("/chunked.gguf"))
+    assert not final.exists() and not final.with_name(final.name + ".partial").exists()
+    assert resolve(server.url("/chunked.gguf"), **FAST).read_bytes() == fake_gguf()  # chunked itself is fine
+
+
+def test_size_cap_of_a_cached_file(server: Server) -> None:
+    server.add("/cached.gguf", fake_gguf())
+    resolve(server.url("/cached.gguf"))
+    with pytest.raises(DownloadRefused, match="max_bytes"):
+        resolve(server.url("/cached.gguf"), max_bytes=1024)
+
+
+def test_bad_max_bytes() -> None:
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ParameterError, match="max_bytes"):
+            resolve("x.gguf", max_bytes=bad)
+
+
+def test_hf_size_cap_from_metadata(hub: Server) -> None:
+    with pytest.raises(DownloadRefused, match="max_bytes") as info:
+        resolve("hf://owner/repo/sub/adapter.gguf", max_bytes=SIZE - 1)
+    assert info.value.reason == "too_large"
+    assert gets(hub, "/owner/repo/resolve/main/sub/adapter.gguf") == []  # no download: the HEAD told the size
+    assert resolve("hf://owner/repo/sub/adapter.gguf", max_bytes=SIZE).is_file()
+
+
+def test_hf_size_cap_while_streaming(hub: Server, tmp_path: Path) -> None:
+    # The metadata under-states the size (X-Linked-Size: 1000) and the storage host (another host name, so
+    # huggingface_hub does not follow it for the metadata) sends the whole file.
+    data = fake_gguf(seed=14)
+    hub.add("/storage/liar", data)
+    hub.add("/owner/repo/resolve/main/liar.gguf", redirect=hub.url("/storage/liar", host="localhost"),
+            headers={"X-Repo-Commit": COMMIT_MAIN, "X-Linked-Size": "1000",
+                     "X-Linked-Etag": '"' + hashlib.sha256(data).hexdigest() + '"'})
+    cap = 64 * 1024
+    with pytest.raises(DownloadRefused, match="max_bytes") as info:
+        resolve("hf://owner/repo/liar.gguf", max_bytes=cap)
+    assert info.value.reason == "too_large"
+    assert gets(hub, "/storage/liar")  # the download did start: the stream itself was bounded
+    assert max(f.stat().st_size for f in (tmp_path / "hf").rglob("*") if f.is_file()) <= cap
+
+
+@pytest.fixture(scope="session")
+def gzip_bomb() -> bytes:
+    """A gzip body of about 1 MiB that decodes to 1 GiB of zeros (built in pieces: full flushes repeat)."""
+    import zlib
+
+    zeros, count = b"\0" * (1 << 20), 1024
+    comp = zlib.compressobj(9, zlib.DEFLATED, -15)  # raw deflate: the gzip header and trailer are written here
+    first = comp.compress(zeros) + comp.flush(zlib.Z_FULL_FLUSH)
+    block = comp.compress(zeros) + comp.flush(zlib.Z_FULL_FLUSH)  # the same bytes for every later MiB
+    crc = 0
+    for _ in range(count):
+        crc = zlib.crc32(zeros, crc)
+    body = first + block * (count - 1) + comp.flush(zlib.Z_FINISH)
+    trailer = crc.to_bytes(4, "little") + (count << 20 & 0xFFFFFFFF).to_bytes(4, "little")
+    return b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\xff" + body + trailer
+
+
+def test_gzip_body_is_never_decoded(server: Server, gzip_bomb: bytes, tmp_path: Path) -> None:
+    server.add("/bomb.gguf", gzip_bomb, headers={"Content-Encoding": "gzip"})
+    seen: list[int] = []
+    with pytest.raises(DownloadRefused, match="Content-Encoding") as info:
+        resolve(server.url("/bomb.gguf"), headers={"Accept-Encoding": "gzip"}, progress=lambda r, t: seen.append(r),
+                **FAST)
+    assert info.value.reason == "content_encoding"
+    assert max(seen, default=0) == 0
+    assert [r.header("Accept-Encoding") for r in gets(server, "/bomb.gguf")] == ["identity"]  # even when asked
+    written = sum(f.stat().st_size for f in (tmp_path / "cache").rglob("*") if f.is_file())
+    assert written < len(gzip_bomb)
+
+
+def test_redirect_limit(server: Server) -> None:
+    assert loramux.sources.MAX_REDIRECTS == 5
+    server.add("/hop0.gguf", fake_gguf())
+    for i in range(1, 7):
+        server.add(f"/hop{i}.gguf", redirect=f"/hop{i - 1}.gguf")
+    assert resolve(server.url("/hop5.gguf"), **FAST).read_bytes() == fake_gguf()  # 5 redirects: fine
+    with pytest.raises(DownloadRefused, match="more than 5 redirects") as info:
+        resolve(server.url("/hop6.gguf"), **FAST)
+    assert info.value.reason == "redirects"
+    assert gets(server, "/hop0.gguf") and len(gets(server, "/hop6.gguf")) == 1
+
+
+# ---------------------------------------------------------------- the private-network guard (no traffic leaves
+# 127.0.0.0/8: refusals are checked with made-up names and addresses, and any connection attempt fails the test)
+
+
+@pytest.fixture
+def no_connect(monkeypatch: pytest.MonkeyPatch) -> list:
+    """Record and refuse every outgoing TCP connection, so a guard that fails cannot send a packet anywhere."""
+    attempts: list = []
+
+    def refuse(address, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
+        attempts.append(address)
+        raise AssertionError(f"a connection to {address} was attempted")
+
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    return attempts
+
+
+def fake_dns(monkeypatch: pytest.MonkeyPatch, names: dict[str, list[str]]) -> list[str]:
+    """Answer getaddrinfo for made-up host names; real lookups for everything else. Returns the names asked."""
+    real, asked = socket.getaddrinfo, []
+
+    def getaddrinfo(host, port, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
+        if host in names:
+            asked.append(host)
+            answer = names[host]
+            if callable(answer):
+                answer = answer()
+            return [(socket.AF_INET6 if ":" in a else socket.AF_INET, socket.SOCK_STREAM, 6, "",
+                     (a, port, 0, 0) if ":" in a else (a, port)) for a in answer]
+        return real(host, port, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    return asked
+
+
+@pytest.mark.parametrize(("address", "kind"), [
+    ("127.0.0.1", "loopback"), ("::1", "loopback"), ("169.254.169.254", "link-local"), ("fe80::1", "link-local"),
+    ("10.0.0.1", "private"), ("172.16.5.4", "private"), ("192.168.1.1", "private"), ("fc00::1", "private"),
+    ("fd12:3456::1", "private"), ("224.0.0.1", "multicast"), ("ff02::1", "multicast"), ("0.0.0.0", "unspecified"),
+    ("::", "unspecified"), ("::ffff:127.0.0.1", "loopback"), ("::ffff:169.254.169.254", "link-local"),
+    ("64:ff9b::a00:1", "private"), ("2002:a00:1::", "private"), ("100.64.0.1", "not public"),
+    ("192.0.2.1", "private"), ("240.0.0.1", "private"), ("255.255.255.255", "private"),
+    ("1.1.1.1", None), ("8.8.8.8", None), ("2606:4700:4700::1111", None),
+])
+def test_address_classification(address: str, kind: str | None) -> None:
+    assert guard.refusal(address) == kind
+
+
+@pytest.mark.parametrize("url", ["http://169.254.169.254/latest/meta-data/x.gguf", "http://10.0.0.1/x.gguf",
+                                 "http://[fe80::1]/x.gguf", "http://[::ffff:127.0.0.1]:8080/x.gguf",
+                                 "http://0.0.0.0/x.gguf", "http://224.0.0.1/x.gguf", "https://192.168.0.10/x.gguf",
+                                 "http://127.0.0.1:9/x.gguf", "http://[fc00::1]/x.gguf"])
+def test_private_address_refused_without_a_connection(no_connect: list, url: str) -> None:
+    with pytest.raises(DownloadRefused, match="allow_private_networks") as info:
+        resolve(url, allow_private_networks=False, **FAST)
+    assert info.value.reason == "private_network" and no_connect == []
+
+
+def test_name_resolving_to_a_private_address_is_refused(no_connect: list, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every address of the name is checked: one private address among public ones is enough to refuse.
+    asked = fake_dns(monkeypatch, {"metadata.example.test": ["169.254.169.254"],
+                                   "mixed.example.test": ["1.1.1.1", "10.0.0.1"]})
+    for host in ("metadata.example.test", "mixed.example.test"):
+        with pytest.raises(DownloadRefused, match=r"resolves to .*(169\.254|10\.0\.0\.1)") as info:
+            resolve(f"https://user:pw@{host}/x.gguf?sig=1", allow_private_networks=False, **FAST)
+        assert info.value.reason == "private_network" and "pw" not in str(info.value)
+    assert asked == ["metadata.example.test", "mixed.example.test"] and no_connect == []
+
+
+def test_library_default_allows_private_networks(server: Server) -> None:
+    # resolve() on one's own machine reaches one's own servers; the server turns the guard on for remote loads.
+    assert loramux.sources.SourceOptions().allow_private_networks is True
+    server.add("/local.gguf", fake_gguf())
+    assert resolve(server.url("/local.gguf")).read_bytes() == fake_gguf()
+    with pytest.raises(DownloadRefused):
+        resolve(server.url("/local.gguf"), allow_private_networks=False, policy="refresh")
+
+
+@pytest.fixture
+def loopback_is_public(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Treat 127.0.0.1 (and only it) as a public address: the stand-in for a public server, which tests cannot
+    reach. Every other address keeps its real classification."""
+    real = guard.refusal
+    monkeypatch.setattr(guard, "refusal", lambda address: None if address == "127.0.0.1" else real(address))
+
+
+def test_redirect_to_a_private_address_is_refused(loopback_is_public: None, server: Server,
+                                                  other_name: Server) -> None:
+    other_name.add("/inside.gguf", fake_gguf())
+    server.add("/out.gguf", redirect=other_name.url("/inside.gguf"))  # "public" 127.0.0.1 -> "private" 127.0.0.2
+    with pytest.raises(DownloadRefused, match="127.0.0.2") as info:
+        resolve(server.url("/out.gguf"), allow_private_networks=False, **FAST)
+    assert info.value.reason == "private_network"
+    assert len(gets(server, "/out.gguf")) == 1 and other_name.requests == []
+
+
+def test_connects_to_the_checked_address(loopback_is_public: None, server: Server, other_name: Server,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    # DNS rebinding: the name answers a public address to the check and a private one to any later lookup.
+    # The connection must go to the address that was checked, not to a second answer.
+    answers = iter([["127.0.0.1"]])
+    fake_dns(monkeypatch, {"rebind.example.test": lambda: next(answers, ["127.0.0.2"])})
+    server.add("/r.gguf", fake_gguf(seed=1))
+    other_name.add("/r.gguf", fake_gguf(seed=2))
+    url = f"http://rebind.example.test:{server.port}/r.gguf"
+    assert resolve(url, allow_private_networks=False, **FAST).read_bytes() == fake_gguf(seed=1)
+    (req,) = gets(server, "/r.gguf")
+    assert req.header("Host") == f"rebind.example.test:{server.port}" and other_name.requests == []
+
+
+def test_guarded_https_checks_the_certificate_of_the_name(loopback_is_public: None, tls_server: Server,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    # Connecting to a checked address keeps TLS about the name: SNI and certificate checks use the host name.
+    fake_dns(monkeypatch, {"localhost": ["127.0.0.1"], "wrong.example.test": ["127.0.0.1"]})
+    tls_server.add("/t.gguf", fake_gguf())
+    url = tls_server.url("/t.gguf", host="localhost", scheme="https")
+    assert resolve(url, allow_private_networks=False, **FAST).read_bytes() == fake_gguf()
+    with pytest.raises(DownloadError, match="connection error"):  # the certificate does not name it
+        resolve(tls_server.url("/t.gguf", host="wrong.example.test", scheme="https"), allow_private_networks=False,
+                **{**FAST, "retries": 0})

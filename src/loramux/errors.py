@@ -17,7 +17,8 @@ Every public error is defined here. The tree (``code`` is what the server puts i
     ├── SlotsBusyError              slots_busy           every bank slot is in use
     ├── SourceError                 invalid_source       a source cannot be resolved
     │   ├── DownloadError           download_failed
-    │   │   └── ChecksumError       checksum_mismatch
+    │   │   ├── ChecksumError       checksum_mismatch
+    │   │   └── DownloadRefused     download_refused     a safety limit refused it (reason)
     │   └── DownloadCancelled       download_cancelled
     ├── ConversionError             conversion_error     PEFT ↔ GGUF, merging
     ├── ControlVectorError          invalid_control_vector
@@ -171,6 +172,21 @@ class ChecksumError(DownloadError):
                          hint="the file changed upstream or the pin is wrong; nothing was saved under the final name")
 
 
+class DownloadRefused(DownloadError):
+    """A download was refused by a safety limit before it could do harm; ``reason`` says which one.
+
+    ``reason`` is ``"private_network"`` (the host resolves to a loopback, link-local, private, multicast or
+    otherwise non-public address), ``"too_large"`` (over ``max_bytes``), ``"content_encoding"`` (a compressed
+    body, which loramux never decodes) or ``"redirects"`` (too many).
+    """
+
+    code = "download_refused"
+
+    def __init__(self, source: str, message: str, *, reason: str, hint: str | None = None):
+        self.reason = reason
+        super().__init__(source, message, hint=hint)
+
+
 class DownloadCancelled(SourceError):
     """A download was cancelled through its cancel token; the partial file is kept for a later resume."""
 
@@ -249,7 +265,7 @@ class ProbeMismatch(LoramuxError):
 
 __all__ = [
     "AdapterError", "AdapterNotFoundError", "BackendError", "ChecksumError", "ContextLengthError",
-    "ControlVectorError", "ConversionError", "DownloadCancelled", "DownloadError", "EngineClosedError",
-    "FactorError", "GGUFFormatError", "LoramuxError", "ModelError", "ParameterError", "ProbeMismatch",
-    "ScaleError", "SlotsBusyError", "SourceError", "TrainingError",
+    "ControlVectorError", "ConversionError", "DownloadCancelled", "DownloadError", "DownloadRefused",
+    "EngineClosedError", "FactorError", "GGUFFormatError", "LoramuxError", "ModelError", "ParameterError",
+    "ProbeMismatch", "ScaleError", "SlotsBusyError", "SourceError", "TrainingError",
 ]

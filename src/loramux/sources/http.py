@@ -2,7 +2,11 @@
 
 :func:`download` serves ``sources.resolve`` for http(s):// sources. A download goes to ``<final>.partial``
 and reaches the final name only after every check passed (length, GGUF magic, sha256 pin). Redirects are
-followed by hand so that credentials stay with the origin (scheme, host name, port) the user named.
+followed by hand (at most :data:`MAX_REDIRECTS`) so that credentials stay with the origin (scheme, host name,
+port) the user named. Bodies are stored as sent: ``Accept-Encoding: identity`` is always asked for and a
+compressed body is refused, never decoded (a small gzip body can expand without bound). ``max_bytes`` is
+checked against the announced length before a body byte is stored and again while streaming; with
+``allow_private_networks=False`` every connection goes through :mod:`.guard`.
 """
 
 from __future__ import annotations
@@ -22,8 +26,9 @@ from urllib.parse import unquote, urljoin, urlsplit, urlunsplit
 
 import httpx
 
-from ..errors import ChecksumError, DownloadCancelled, DownloadError
+from ..errors import ChecksumError, DownloadCancelled, DownloadError, DownloadRefused
 from ..gguf_io import sha256_file
+from .guard import GuardedTransport
 from .spec import (
     SAFE_HEADERS,
     CancelToken,
@@ -34,9 +39,11 @@ from .spec import (
     raise_if_cancelled,
     redact,
     status_hint,
+    too_large,
 )
 
-MAX_REDIRECTS = 10
+#: Redirects followed per request; a Hub file needs one or two, a mirror a few.
+MAX_REDIRECTS = 5
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
 
 
@@ -98,12 +105,16 @@ class _UrlDownload:
             if self._cached_ok():  # another thread or process published it while we waited
                 return self.final
             timeout = httpx.Timeout(self.opts.timeout)
-            with httpx.Client(timeout=timeout, follow_redirects=False) as self.client:
+            guarded = None if self.opts.allow_private_networks else GuardedTransport(self.label)
+            with httpx.Client(timeout=timeout, follow_redirects=False, transport=guarded) as self.client:
                 return self._with_retries()
 
     def _cached_ok(self) -> bool:
         if self.opts.policy != "use" or not self.final.is_file():
             return False
+        size = self.final.stat().st_size
+        if self.opts.max_bytes is not None and size > self.opts.max_bytes:
+            raise too_large(self.label, size, self.opts.max_bytes, "the cached file is")
         if self.pin:
             meta = _read_json(self.meta)
             known = meta.get("sha256") if meta.get("size") == self.final.stat().st_size else None
@@ -162,18 +173,28 @@ class _UrlDownload:
             else:  # a full body: the server ignored our Range, or If-Range saw a changed file
                 length = resp.headers.get("Content-Length", "")
                 offset, self.total = 0, int(length) if length.isdigit() else None
-            encoded = resp.headers.get("Content-Encoding", "identity").lower() not in ("", "identity")
-            if encoded and offset:  # a compressed range cannot be appended to decoded bytes
-                self._drop_partial()
-                raise _Retry("the server compressed a resumed range; restarting from zero", status)
-            self.total = None if encoded else self.total
-            self._save_partial_meta(resp, resumable=not encoded)
-            self._receive(resp, offset, encoded)
+            self._check_body(resp)
+            self._save_partial_meta(resp, resumable=True)
+            self._receive(resp, offset)
         return self._finish()
 
+    def _check_body(self, resp: httpx.Response) -> None:
+        """Refuse, before a body byte is stored, a compressed body or a file announced over ``max_bytes``."""
+        encoding = resp.headers.get("Content-Encoding", "identity").strip().lower()
+        if encoding not in ("", "identity"):
+            raise DownloadRefused(self.label, f"the server sent a Content-Encoding: {encoding} body although "
+                                              "loramux asked for identity; compressed bodies are never decoded "
+                                              "(a small one can expand without bound)", reason="content_encoding",
+                                  hint="serve the file uncompressed (as application/octet-stream)")
+        cap = self.opts.max_bytes
+        if cap is not None and self.total is not None and self.total > cap:
+            self._drop_partial()  # a resumed part of a file that will never be accepted
+            raise too_large(self.label, self.total, cap, "the server announced")
+
     def _request_headers(self) -> tuple[dict[str, str], int, bool]:
-        headers = {"Accept-Encoding": "identity", "User-Agent": "loramux"}
-        headers.update(self.opts.headers)
+        headers = {"User-Agent": "loramux"}
+        headers.update({k: v for k, v in self.opts.headers.items() if k.lower() != "accept-encoding"})
+        headers["Accept-Encoding"] = "identity"  # whatever the caller asked for: bodies are stored as sent
         if self.opts.token:
             headers["Authorization"] = f"Bearer {self.opts.token}"
         if self.opts.policy == "revalidate" and self.final.is_file():
@@ -225,7 +246,8 @@ class _UrlDownload:
                 # on to http on the same host name (cookies ignore scheme and port).
                 self.client.cookies.clear()
             url = target
-        raise DownloadError(self.label, f"more than {MAX_REDIRECTS} redirects")
+        raise DownloadRefused(self.label, f"more than {MAX_REDIRECTS} redirects", reason="redirects",
+                              hint="use the final URL of the file")
 
     def _check_content_range(self, resp: httpx.Response, offset: int) -> int | None:
         match = _CONTENT_RANGE.match(resp.headers.get("Content-Range", "").strip())
@@ -240,14 +262,17 @@ class _UrlDownload:
             raise _Retry("the file changed size upstream; restarting from zero", 206)
         return total
 
-    def _receive(self, resp: httpx.Response, offset: int, encoded: bool) -> None:
+    def _receive(self, resp: httpx.Response, offset: int) -> None:
         # No chunk_size: httpx would hold back a partial chunk and lose it when the connection drops. httpcore
-        # reads at most 64 KiB at a time, which keeps cancel checks frequent.
-        chunks = resp.iter_bytes() if encoded else resp.iter_raw()
-        received = offset
+        # reads at most 64 KiB at a time, which keeps cancel checks frequent. iter_raw: never content-decoded.
+        received, cap = offset, self.opts.max_bytes
         with open(self.partial, "ab" if offset else "wb") as out:
             self._report(received, self.total)
-            for chunk in chunks:
+            for chunk in resp.iter_raw():
+                if cap is not None and received + len(chunk) > cap:  # checked before the write: never over
+                    out.close()
+                    self._drop_partial()
+                    raise too_large(self.label, received + len(chunk), cap, "the body reached")
                 out.write(chunk)
                 received += len(chunk)
                 self.progressed = self.progressed or bool(chunk)

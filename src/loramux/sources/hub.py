@@ -2,6 +2,11 @@
 
 The usual Hugging Face cache, ``HF_TOKEN``, ``HF_ENDPOINT`` and ``HF_HUB_OFFLINE`` behave as users expect;
 huggingface_hub is imported lazily so that ``import loramux`` stays fast.
+
+The names of a source become paths inside the cache, so they are checked first (:meth:`Source.check_hf`), and
+the file huggingface_hub returns must lie inside the cache once symlinks are resolved. ``max_bytes`` is
+checked against the Hub's metadata before a download and bounds the stream as it is written. Errors never
+quote what an unexpected exception says: it may quote a file huggingface_hub read.
 """
 
 from __future__ import annotations
@@ -10,7 +15,14 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..errors import ChecksumError, DownloadCancelled, DownloadError, ParameterError, SourceError
+from ..errors import (
+    ChecksumError,
+    DownloadCancelled,
+    DownloadError,
+    DownloadRefused,
+    ParameterError,
+    SourceError,
+)
 from ..gguf_io import sha256_file
 from .spec import (
     ACCEPTED_FORMS,
@@ -20,6 +32,7 @@ from .spec import (
     not_gguf_message,
     raise_if_cancelled,
     status_hint,
+    too_large,
 )
 
 
@@ -29,9 +42,7 @@ def download(src: Source, opts: SourceOptions, pin: str | None) -> Path:
     ``pin`` is the sha256 the file must have, if any. Raises :class:`SourceError` (offline and not cached,
     invalid name), :class:`DownloadError`, :class:`ChecksumError` or :class:`DownloadCancelled`.
     """
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
-
+    src.check_hf()  # a Source built by hand skipped parse
     # huggingface_hub reads these variables once at import time; read them per call so that a variable set
     # after import (tests, notebooks, a CLI flag) still takes effect.
     offline = any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")
@@ -43,24 +54,57 @@ def download(src: Source, opts: SourceOptions, pin: str | None) -> Path:
         tqdm_class=_hub_progress_class(src, opts))
     raise_if_cancelled(opts.cancel, str(src), 0)
     try:
-        if offline:
-            path = hf_hub_download(**kwargs, local_files_only=True)
-        elif opts.policy == "refresh":
-            path = hf_hub_download(**kwargs, force_download=True)
-        elif opts.policy == "use":
-            try:  # a cached file is used without touching the network, like loramux's own cache
-                path = hf_hub_download(**kwargs, local_files_only=True)
-            except LocalEntryNotFoundError:
-                path = hf_hub_download(**kwargs)
-        else:
-            path = hf_hub_download(**kwargs)
-    except DownloadCancelled:
+        path = _fetch(src, opts, kwargs, offline)
+    except (DownloadCancelled, DownloadRefused):
         raise
     except Exception as exc:
         if opts.cancel is not None and opts.cancel.cancelled:
             raise DownloadCancelled(str(src)) from exc
         raise _hub_error(src, exc, offline) from exc
-    return _checked(src, Path(str(path)), opts, pin)
+    return _checked(src, _inside_cache(src, Path(str(path))), opts, pin)
+
+
+def _fetch(src: Source, opts: SourceOptions, kwargs: dict[str, Any], offline: bool) -> str:
+    """hf_hub_download as the policy says; a download is preceded by the size check when there is a cap."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    if offline:
+        return str(hf_hub_download(**kwargs, local_files_only=True))
+    if opts.policy == "use":
+        try:  # a cached file is used without touching the network, like loramux's own cache
+            return str(hf_hub_download(**kwargs, local_files_only=True))
+        except LocalEntryNotFoundError:
+            pass
+    if opts.max_bytes is not None:
+        _check_announced_size(src, opts, kwargs)
+    return str(hf_hub_download(**kwargs, force_download=opts.policy == "refresh"))
+
+
+def _check_announced_size(src: Source, opts: SourceOptions, kwargs: dict[str, Any]) -> None:
+    """Refuse a file whose size in the Hub's metadata is over ``max_bytes``, before downloading it."""
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url
+
+    assert src.repo_id is not None and src.filename is not None and opts.max_bytes is not None
+    url = hf_hub_url(src.repo_id, src.filename, repo_type=src.repo_type, revision=src.revision,
+                     endpoint=kwargs["endpoint"])
+    meta = get_hf_file_metadata(url, token=opts.token, timeout=opts.timeout, headers=kwargs["headers"],
+                                library_name="loramux")
+    if meta.size is not None and meta.size > opts.max_bytes:
+        raise too_large(str(src), meta.size, opts.max_bytes, "the Hub announces")
+
+
+def _inside_cache(src: Source, path: Path) -> Path:
+    """``path`` if, symlinks resolved, it lies inside the Hugging Face cache; else a :class:`SourceError`."""
+    from huggingface_hub import constants
+
+    root = Path(os.path.realpath(_hf_cache_dir() or constants.HF_HUB_CACHE))
+    if not Path(os.path.realpath(path)).is_relative_to(root):
+        # Neither path is shown: where the link points is nobody's business but the cache owner's.
+        raise SourceError(str(src), "the file huggingface_hub returned lies outside the Hugging Face cache "
+                                    "(a symlink out of it); it is not read",
+                          hint="delete the repo's folder in the Hugging Face cache and load again")
+    return path
 
 
 def _hub_headers(opts: SourceOptions) -> dict[str, str]:
@@ -86,6 +130,9 @@ def _hub_headers(opts: SourceOptions) -> dict[str, str]:
 
 
 def _checked(src: Source, result: Path, opts: SourceOptions, pin: str | None) -> Path:
+    size = result.stat().st_size
+    if opts.max_bytes is not None and size > opts.max_bytes:
+        raise too_large(str(src), size, opts.max_bytes)
     with open(result, "rb") as f:
         head = f.read(16)
     if opts.expect_gguf and head[:4] != b"GGUF":
@@ -126,17 +173,20 @@ def _hub_error(src: Source, exc: Exception, offline: bool) -> SourceError:
         return SourceError(name, f"invalid Hugging Face repo or file name: {exc}", hint=ACCEPTED_FORMS)
     if status is not None:
         return DownloadError(name, f"the Hub answered HTTP {status}", status=status, hint=status_hint(status))
-    return DownloadError(name, f"download from the Hugging Face Hub failed: {exc}",
+    # Only a transport error's text is quoted: any other exception may quote a file huggingface_hub read.
+    transport = type(exc).__module__.split(".")[0] in ("httpx", "httpx2", "httpcore", "httpcore2", "requests")
+    detail = f"{type(exc).__name__}: {exc}" if transport else type(exc).__name__
+    return DownloadError(name, f"download from the Hugging Face Hub failed ({detail})",
                          hint="check the network connection and HF_ENDPOINT, then retry")
 
 
 def _hub_progress_class(src: Source, opts: SourceOptions) -> type | None:
     """A silent tqdm class that forwards huggingface_hub's byte counts to our callback and honours cancel."""
-    if opts.progress is None and opts.cancel is None:
+    if opts.progress is None and opts.cancel is None and opts.max_bytes is None:
         return None
     from tqdm import tqdm
 
-    progress, cancel, bars = opts.progress, opts.cancel, []
+    progress, cancel, cap, bars = opts.progress, opts.cancel, opts.max_bytes, []
 
     class _HubBar(tqdm):  # type: ignore[misc]
         def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -146,6 +196,9 @@ def _hub_progress_class(src: Source, opts: SourceOptions) -> type | None:
 
         def update(self, n: float | None = 1) -> bool | None:
             self.n += n or 0  # a disabled tqdm does not count
+            # huggingface_hub counts a chunk before writing it: raising here keeps the file within the cap.
+            if cap is not None and self is bars[0] and self.n > cap:
+                raise too_large(str(src), int(self.n), cap, "the download reached")
             if progress is not None and self is bars[0]:  # xet opens a second (transfer) bar: report one
                 progress(int(self.n), int(self.total) if self.total else None)
             raise_if_cancelled(cancel, str(src), int(self.n))

@@ -15,7 +15,7 @@ from typing import Any, Literal
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 from ..config import cache_dir as _config_cache_dir
-from ..errors import DownloadCancelled, ParameterError, SourceError
+from ..errors import DownloadCancelled, DownloadRefused, ParameterError, SourceError
 
 Kind = Literal["path", "url", "hf"]
 Policy = Literal["use", "revalidate", "refresh"]
@@ -27,6 +27,7 @@ POLICIES = ("use", "revalidate", "refresh")
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 _HEX64 = re.compile(r"^[0-9a-fA-F]{64}$")
 _HF_REPO_TYPES = {"datasets": "dataset", "spaces": "space"}
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 #: Request headers that carry no credentials (lower-case). Every other header a user gives stays with the
 #: origin (scheme, host name, port) of the source it was given for.
 SAFE_HEADERS = frozenset({"accept", "accept-encoding", "accept-language", "user-agent", "range", "if-range",
@@ -41,8 +42,25 @@ def default_cache_dir() -> Path:
 def redact(url: str) -> str:
     """The URL without user:password and with any query (often a signature) elided."""
     parts = urlsplit(url)
-    netloc = (parts.hostname or "") + (f":{parts.port}" if parts.port else "")
+    try:
+        host, port = parts.hostname or "", parts.port
+    except ValueError:  # a malformed port: show no authority rather than one that may hold a password
+        host, port = "", None
+    netloc = (f"[{host}]" if ":" in host else host) + (f":{port}" if port else "")
     return urlunsplit((parts.scheme, netloc, parts.path, "…" if parts.query else "", ""))
+
+
+def display(source: str | os.PathLike[str], *, full_paths: bool = False) -> str:
+    """How a source may be shown to someone who did not configure it: no URL userinfo, no query string (it
+    may be a signature), and a local path cut to its file name unless ``full_paths`` (the operator's view)."""
+    try:
+        src = Source.parse(source)
+    except SourceError:
+        return "(invalid source)"
+    if src.kind == "path":
+        assert src.path is not None
+        return str(src.path) if full_paths else src.path.name
+    return str(src)
 
 
 class CancelToken:
@@ -118,18 +136,19 @@ class Source:
 
     @classmethod
     def _parse_url(cls, raw: str) -> Source:
-        parts = urlsplit(raw)
+        parts, shown = urlsplit(raw), redact(raw)  # errors never repeat a password or a signed query
         try:
             parts.port  # noqa: B018 - raises ValueError on a malformed port
-        except ValueError as exc:
-            raise SourceError(raw, f"malformed URL: {exc}", hint=ACCEPTED_FORMS) from None
+        except ValueError:
+            raise SourceError(shown, "malformed URL: the port is not a number from 0 to 65535",
+                              hint=ACCEPTED_FORMS) from None
         if not parts.hostname:
-            raise SourceError(raw, "the URL has no host", hint=ACCEPTED_FORMS)
+            raise SourceError(shown, "the URL has no host", hint=ACCEPTED_FORMS)
         pin = None
         if parts.fragment.lower().startswith("sha256="):
             pin = parts.fragment[len("sha256="):]
             if not _HEX64.match(pin):
-                raise SourceError(raw, "a #sha256= pin must be 64 hexadecimal digits")
+                raise SourceError(shown, "a #sha256= pin must be 64 hexadecimal digits")
             pin = pin.lower()
         url = urlunsplit(parts._replace(fragment=""))
         return cls(kind="url", text=raw, url=url, sha256=pin)
@@ -148,8 +167,36 @@ class Source:
         if len(segments) < 3 or any(s in ("", ".", "..") for s in segments):
             raise SourceError(raw, "an hf:// source must name a file inside a repo",
                               hint="write hf://owner/repo/path/in/repo.gguf, optionally followed by @revision")
-        return cls(kind="hf", text=raw, repo_id="/".join(segments[:2]), filename="/".join(segments[2:]),
-                   revision=revision, repo_type=repo_type)
+        src = cls(kind="hf", text=raw, repo_id="/".join(segments[:2]), filename="/".join(segments[2:]),
+                  revision=revision, repo_type=repo_type)
+        src.check_hf()
+        return src
+
+    def check_hf(self) -> None:
+        """Refuse an ``hf://`` source whose names could leave the Hugging Face cache.
+
+        The repo id must pass huggingface_hub's own ``validate_repo_id``. The revision becomes a path inside
+        the cache (``refs/<revision>`` is read as a file), so it may not start with ``/`` nor hold a ``..``
+        segment or a control character; ``refs/pr/1`` and branch names with ``/`` stay valid. The file name
+        may not hold ``.``, ``..`` or empty segments, nor a backslash or control character.
+        """
+        from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+        label = str(self)
+        try:
+            validate_repo_id(self.repo_id)
+        except HFValidationError as exc:
+            raise SourceError(label, f"invalid Hugging Face repo id {self.repo_id!r}: {exc}",
+                              hint="write hf://owner/repo/path/in/repo.gguf") from None
+        if self.revision is not None and (self.revision.startswith("/") or ".." in self.revision.split("/")
+                                          or _CONTROL.search(self.revision)):
+            raise SourceError(label, f"invalid revision {self.revision!r}: a revision may not start with '/' "
+                                     "nor hold a '..' segment or a control character",
+                              hint="name a branch, a tag, a commit hash or refs/pr/N")
+        name = self.filename or ""
+        if any(s in ("", ".", "..") for s in name.split("/")) or "\\" in name or _CONTROL.search(name):
+            raise SourceError(label, f"invalid file name {name!r} inside the repo",
+                              hint="write the path of the file inside the repo, e.g. sub/adapter.gguf")
 
     def pin(self, option: str | None) -> str | None:
         """The sha256 the file must have: the ``sha256`` option and/or the ``#sha256=`` fragment, lower-case.
@@ -185,6 +232,16 @@ class SourceOptions:
     request, or ``"refresh"`` (always download). ``sha256`` pins the content. ``expect_gguf`` rejects
     files that do not start with ``GGUF``. For ``hf://``, huggingface_hub does its own retries and caching;
     ``timeout`` bounds its metadata request and ``progress``/``cancel`` are honoured per 10 MB chunk.
+
+    Limits for sources someone else chose (the server sets both): ``max_bytes`` caps the file size, checked
+    against the announced length (Content-Length, Content-Range, the Hub's metadata) before a body byte is
+    stored and again while streaming; ``None`` means no cap. ``allow_private_networks=False`` refuses
+    http(s):// hosts that resolve to a loopback, link-local, private, multicast, unspecified or otherwise
+    non-public address, every address of the name checked before connecting (to the checked address) and
+    again on every redirect; with it, proxies from the environment are not used (a proxy resolves names
+    itself, where no check could follow). The library default allows them: ``resolve()`` on one's own
+    machine is expected to reach one's own servers. ``hf://`` goes to the configured Hub endpoint and is
+    not subject to this check. Bodies are never content-decoded (a compressed body is refused).
     """
 
     headers: Mapping[str, str] = field(default_factory=dict)
@@ -199,6 +256,8 @@ class SourceOptions:
     policy: Policy = "use"
     sha256: str | None = None
     expect_gguf: bool = True
+    max_bytes: int | None = None
+    allow_private_networks: bool = True
 
     def check(self) -> None:
         """Raise :class:`ParameterError` naming the first invalid field."""
@@ -210,6 +269,15 @@ class SourceOptions:
             raise ParameterError("timeout", f"must be a positive number of seconds, not {self.timeout}")
         if self.sha256 is not None and not _HEX64.match(self.sha256):
             raise ParameterError("sha256", "must be 64 hexadecimal digits")
+        if self.max_bytes is not None and (type(self.max_bytes) is not int or self.max_bytes < 1):
+            raise ParameterError("max_bytes", f"must be a positive whole number of bytes or None, "
+                                              f"not {self.max_bytes!r}")
+
+
+def too_large(label: str, size: int, max_bytes: int, what: str = "the file is") -> DownloadRefused:
+    """The refusal for a file of ``size`` bytes over ``max_bytes``."""
+    return DownloadRefused(label, f"{what} {size} bytes, over the limit max_bytes={max_bytes}", reason="too_large",
+                           hint="raise max_bytes (the server's --max-adapter-bytes) if this adapter is expected")
 
 
 def not_gguf_message(head: bytes, subject: str = "the server returned") -> str:
@@ -225,7 +293,8 @@ def not_gguf_message(head: bytes, subject: str = "the server returned") -> str:
         what = "an empty body"
     else:
         what = "something else"
-    return f"{subject} {what}, not a GGUF file (got {head[:9].decode('latin-1')!r}...)"
+    # The bytes themselves are not quoted: they may be part of a file the caller must not see.
+    return f"{subject} {what}, not a GGUF file (it does not start with the GGUF magic)"
 
 
 def status_hint(status: int | None) -> str | None:
