@@ -22,8 +22,7 @@ WHEELS="${LORAMUX_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/loramux}/wheels/llamafi
   "$PY" -m venv "$VENV"
   DET="$(cd "$VENV" && pwd)/bin/python"
   "$DET" -m pip install --quiet --upgrade pip
-  TAG="$("$DET" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')"
-  pattern="llama_cpp_python-$VERSION-$TAG-*.whl"
+  pattern="llama_cpp_python-$VERSION-*.whl"  # py3-none-<platform>: the binding loads llama.cpp with ctypes
   if ! compgen -G "$WHEELS/$pattern" >/dev/null; then
     mkdir -p "$WHEELS"
     tmp="$(mktemp -d "$WHEELS.build.XXXXXX")"  # private: another build may be running next to this one
