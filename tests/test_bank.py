@@ -475,3 +475,132 @@ def test_factors_whose_delta_could_overflow_are_refused_at_load(f32_model, tmp_p
         assert t in str(e.value), name
     with pytest.raises(AdapterError, match="alpha"):
         load("nan-alpha", 0.3, 0.3, alpha=float("nan"))
+
+
+# ------------------------------------------------------------------ the reported bug, through the engine
+
+def _bumped_file(path, tmp, name):
+    """The same adapter with every B scaled by (1 + 1e-7): the noise-floor control."""
+    from loramux.gguf_io import read_adapter_factors, validate_adapter
+
+    info = validate_adapter(path)
+    f = {t: (a, (b.astype(np.float64) * (1 + 1e-7)).astype(np.float32)) for t, (a, b) in read_adapter_factors(path).items()}
+    return write_adapter(tmp / f"{name}.gguf", "llama", f, info.alpha)
+
+
+def _assert_native_choices(eng, prompt, comp, loras, bumped):
+    """Every generated token is llama.cpp's native choice (teacher-forced, the adapter loaded natively,
+    one sequence alone) up to the noise floor: within TOL_FLOORS floors of the native argmax logit."""
+    assert comp.tokens, "nothing generated"
+    seq = prompt + comp.tokens[:-1]
+    want = eng.logits(seq, loras=loras)[len(prompt) - 1:]
+    floor = float(np.abs(eng.logits(seq, loras=bumped)[len(prompt) - 1:] - want).max())
+    assert floor > 0
+    picked = want[np.arange(len(comp.tokens)), comp.tokens]
+    worst = float((want.max(axis=1) - picked).max())
+    assert worst <= TOL_FLOORS * floor, f"{loras}: a token {worst:.3g} below the native argmax (floor {floor:.3g})"
+
+
+def _result(stream, timeout_s=120.0):
+    """The request's completion, or its error raised; a request the engine lost fails, never hangs."""
+    import queue
+
+    while True:
+        try:
+            kind, value = stream.request.events.get(timeout=timeout_s)
+        except queue.Empty:
+            pytest.fail(f"request {stream.request.id} got no result in {timeout_s:.0f} s")
+        if kind == "error":
+            raise value
+        if kind == "done":
+            return value
+
+
+def _wait_generating(streams, deadline_s=60.0):
+    import time
+
+    end = time.monotonic() + deadline_s
+    while any(len(s.request.generated) < 2 for s in streams):
+        assert time.monotonic() < end, "requests did not start generating"
+        time.sleep(0.005)
+
+
+@pytest.fixture()
+def rank_pattern_engine(tiny_model, tmp_path):
+    """Serving engine (4 slots of rank 8, F32 KV) with an ordinary adapter and a PEFT rank_pattern one
+    (rank 4 on attn_q, 8 elsewhere), plus their noise-floor twins."""
+    import loramux as lm
+
+    files = {"plain": write_adapter(tmp_path / "plain.gguf", "llama", random_factors(rank=8, seed=71, scale=0.3), 8.0),
+             "mixed": write_adapter(tmp_path / "mixed.gguf", "llama", _per_layer({"attn_q": 4}, 8, seed=72), 8.0)}
+    files.update({f"{n}~": _bumped_file(p, tmp_path, f"{n}-bumped") for n, p in list(files.items())})
+    eng = lm.Engine.load(tiny_model, n_ctx=128, n_parallel=4, n_batch=128, n_threads=2, slots=4, slot_rank=8,
+                         kv_type="f32", loras=[lm.LoraSpec(str(p), 0.0, name=n) for n, p in files.items()])
+    yield eng
+    eng.close()
+
+
+def test_mixed_rank_adapter_joins_running_requests(rank_pattern_engine):
+    """The reported bug: two requests run on an ordinary adapter when a third asks for the rank_pattern
+    one. All three return llama.cpp's native result; before, the slot write raised and failed all."""
+    eng = rank_pattern_engine
+    toks = [eng.tokenize(p) for p in PROMPTS[:3]]
+    running = [eng.stream(toks[i], loras={"plain": 1.0}, max_tokens=40, ignore_eos=True) for i in range(2)]
+    _wait_generating(running)
+    third = eng.stream(toks[2], loras={"mixed": 1.0}, max_tokens=16, ignore_eos=True)
+    assert all(len(s.request.generated) < 40 for s in running)  # still running when it arrives
+    comps = [_result(s) for s in running + [third]]
+    assert [len(c.tokens) for c in comps] == [40, 40, 16]
+    assert sorted(eng.bank.resident()) == ["mixed", "plain"]  # the rank_pattern one went through the bank
+    for t, c, name in zip(toks, comps, ["plain", "plain", "mixed"]):
+        _assert_native_choices(eng, t, c, {name: 1.0}, {f"{name}~": 1.0})
+
+
+def test_failed_slot_write_fails_only_its_request_and_leaves_the_slot_empty(rank_pattern_engine, monkeypatch):
+    """A slot write that fails half-way (the backend raising on a later tensor) fails that request alone
+    with an error naming its adapter; the slot is left empty and free, and the next write takes it."""
+    from loramux import _native as N
+    from loramux.errors import BackendError
+
+    eng = rank_pattern_engine
+    toks = [eng.tokenize(p) for p in PROMPTS[:3]]
+    running = eng.stream(toks[0], loras={"plain": 1.0}, max_tokens=40, ignore_eos=True)
+    _wait_generating([running])
+    real, calls = N.tensor_set_2d, []
+
+    def flaky(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("device lost")
+        return real(*args, **kwargs)
+    monkeypatch.setattr(N, "tensor_set_2d", flaky)
+    failing = eng.stream(toks[1], loras={"mixed": 1.0}, max_tokens=8, ignore_eos=True)
+    with pytest.raises(BackendError, match="'mixed'.*device lost"):
+        _result(failing)
+    states = eng.call(lambda: [(s.adapter.name if s.adapter else None, s.refs) for s in eng.bank.slots])
+    assert ("plain", 1) in states and ("mixed", 0) not in states and states.count((None, 0)) == 3
+    monkeypatch.setattr(N, "tensor_set_2d", real)
+    again = _result(eng.stream(toks[2], loras={"mixed": 1.0}, max_tokens=8, ignore_eos=True))
+    comp = _result(running)
+    assert len(comp.tokens) == 40 and sorted(eng.bank.resident()) == ["mixed", "plain"]
+    _assert_native_choices(eng, toks[0], comp, {"plain": 1.0}, {"plain~": 1.0})
+    _assert_native_choices(eng, toks[2], again, {"mixed": 1.0}, {"mixed~": 1.0})
+
+
+def test_adapter_listing_says_whether_it_goes_through_the_bank(tiny_model, tmp_path):
+    """An adapter that cannot go into a slot is served natively and /v1/models says why."""
+    import httpx
+
+    import loramux as lm
+    from loramux.server import ServerSettings, create_app, serve_in_thread
+
+    small = write_adapter(tmp_path / "small.gguf", "llama", _per_layer({"attn_q": 2}, 4, seed=81), 4.0)
+    big = write_adapter(tmp_path / "big.gguf", "llama", _per_layer({"attn_q": 2}, 8, seed=82), 8.0)
+    eng = lm.Engine.load(tiny_model, n_ctx=128, n_parallel=2, n_threads=1, slots=2, slot_rank=4,
+                         loras=[lm.LoraSpec(str(small), 0.0, "small"), lm.LoraSpec(str(big), 0.0, "big")])
+    adm = eng.call(lambda: eng.bank.admit([eng.registry.adapter_set({"big": 1.0})]))
+    assert adm is not None and not adm.banked and adm.reason == "big: rank 8 > slot rank 4" and adm.slots == ()
+    with serve_in_thread(create_app(eng, ServerSettings(), own_engine=True)) as srv:
+        listed = {m["id"]: m for m in httpx.get(srv.url + "/v1/models", timeout=30).json()["data"]}
+    assert (listed["small"]["banked"], listed["small"]["bank_reason"]) == (True, None)
+    assert (listed["big"]["banked"], listed["big"]["bank_reason"]) == (False, "rank 8 > slot rank 4")

@@ -444,6 +444,17 @@ class SlotBank:
         self._dir.cleanup()
 
 
+def bank_info(bank: SlotBank | None, adapter: LoRAAdapter | None) -> dict[str, bool | str | None]:
+    """What an adapter listing shows about the bank: {"banked": whether the adapter fits a slot,
+    "bank_reason": why not (it is then served natively, by adapter-set groups)}; {} without an adapter."""
+    if adapter is None:
+        return {}
+    if bank is None:
+        return {"banked": False, "bank_reason": "no slot bank (slots = 0)"}
+    why = bank.refusal(adapter)
+    return {"banked": why is None, "bank_reason": why}
+
+
 def token_scales(bank: SlotBank, entries: Sequence[tuple[int, Sequence[tuple[int, float]]]]) -> np.ndarray:
     """Rows of per-slot mask values: entries = [(n_tokens, [(slot, scale), ...]), ...] in batch order."""
     rows = []
@@ -455,4 +466,4 @@ def token_scales(bank: SlotBank, entries: Sequence[tuple[int, Sequence[tuple[int
     return np.concatenate(rows) if rows else np.zeros((0, bank.K), np.float32)
 
 
-__all__ = ["Admission", "MaskPlan", "SlotBank", "SlotsBusyError", "plan_ubatches", "token_scales"]
+__all__ = ["Admission", "MaskPlan", "SlotBank", "SlotsBusyError", "bank_info", "plan_ubatches", "token_scales"]

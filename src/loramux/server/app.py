@@ -24,6 +24,7 @@ from fastapi import FastAPI, HTTPException
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from ..engine.bank import bank_info
 from ..engine.runtime import Engine
 from . import generation
 from .config import ServerSettings
@@ -133,10 +134,12 @@ def _routes(app: FastAPI, state: ServerState) -> None:
         n_ctx = state.engine.n_ctx
         data = [{"id": state.base_name, "object": "model", "created": state.started, "owned_by": "loramux",
                  "root": str(state.engine.model.path), "parent": None, "max_model_len": n_ctx}]
+        adapters = state.engine.adapters
         for e in pool.ordered():
             data.append({"id": e.name, "object": "model", "created": e.created, "owned_by": "loramux",
                          "root": e.source, "parent": state.base_name, "max_model_len": n_ctx,
-                         "lora_id": e.id, "scale": e.scale, "resident": e.resident, "pinned": e.pinned})
+                         "lora_id": e.id, "scale": e.scale, "resident": e.resident, "pinned": e.pinned,
+                         **bank_info(state.engine.bank, adapters.get(e.name))})
         return {"object": "list", "data": data}
 
     _generation_routes(app, state)
