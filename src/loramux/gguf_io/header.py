@@ -382,6 +382,9 @@ class PinnedFile:
     mtime) changed since it was opened. Both refuse a file rewritten in place during the load.
     """
 
+    #: Hand llama.cpp /proc/self/fd/N (Linux); False: the path, checked after the load (tests force this)
+    use_proc: bool = sys.platform.startswith("linux")
+
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         try:
@@ -398,7 +401,7 @@ class PinnedFile:
             raise AdapterError(str(self.path), "not a regular file")
         self.identity = _identity(st)
         proc = f"/proc/self/fd/{self.fd}"
-        self.via_proc = sys.platform.startswith("linux") and _path_identity(proc) == self.identity
+        self.via_proc = self.use_proc and _path_identity(proc) == self.identity
         self.native_path = proc if self.via_proc else str(self.path)
 
     def changes(self) -> list[str]:
