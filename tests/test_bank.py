@@ -169,6 +169,37 @@ def test_mask_check_fails_loudly_on_plan_mismatch(setup):
     ctx.close()
 
 
+def test_an_unplanned_or_failed_mask_never_leaves_the_bank_unmasked(setup, monkeypatch):
+    """A decode nobody planned, or a mask that fails, zeroes the bank's nodes (exactly the base model
+    for everyone) instead of applying every slot to every sequence; a failed mask also fails check()."""
+    from loramux.engine import bank as bank_mod
+
+    model, bank, users, _ = setup
+    for u in users:
+        bank.acquire(u)
+    toks = [model.tokenize(p) for p in PROMPTS]
+    ctx, plain = _ctx(model, bank.callback), _ctx(model)
+    try:
+        base = _run_batch(plain, model, toks)
+        ctx.handle.set_adapters([bank.adapter.handle], [1.0])
+        got = _run_batch(ctx, model, toks)  # no set_plan
+        assert bank.unplanned == len(bank.targets)
+        assert all(np.array_equal(g, b) for g, b in zip(got, base))
+
+        def broken(self, x):
+            raise FloatingPointError("mask broke")
+        monkeypatch.setattr(bank_mod.Mask, "apply", broken)
+        flags = np.concatenate([[0] * (len(t) - 1) + [1] for t in toks]) != 0
+        scales = token_scales(bank, [(len(t), [(0, 1.0), (1, 1.0)]) for t in toks])
+        got = _run_batch(ctx, model, toks, lambda: bank.set_plan(scales, flags))
+        with pytest.raises(BackendError, match="mask broke"):
+            bank.check()
+        assert all(np.array_equal(g, b) for g, b in zip(got, base))
+    finally:
+        ctx.close()
+        plain.close()
+
+
 # ---------------------------------------------------------------------------------- through the engine
 
 SETS = [{"u0": 1.0}, {"u1": 1.0}, {}, {"u2": 0.7}, {"u0": 0.5, "u1": 0.5}]

@@ -80,7 +80,7 @@ class Admission:
 
 
 @dataclass
-class _Mask:
+class Mask:
     """Mask values of one node shape: `values` (n_tok, width) and which entries are kept."""
 
     values: np.ndarray
@@ -112,7 +112,7 @@ class MaskPlan:
     tokens that request logits (what remains in the last block).
     """
 
-    ubatches: list[tuple[_Mask, _Mask]]
+    ubatches: list[tuple[Mask, Mask]]
     per_ubatch: int  # bank nodes each ubatch's graph holds
     masked: int = 0
     problems: list[str] = field(default_factory=list)
@@ -361,7 +361,7 @@ class SlotBank:
         full = np.repeat(np.asarray(token_scales, np.float32), self.r, axis=1)
         flags = np.asarray(out_flags, bool)
         ubs = ubatches if ubatches is not None else [np.arange(len(full))]
-        self.plan = MaskPlan([(_Mask(full[u]), _Mask(full[u[flags[u]]])) for u in ubs], len(self.targets))
+        self.plan = MaskPlan([(Mask(full[u]), Mask(full[u[flags[u]]])) for u in ubs], len(self.targets))
 
     def callback(self, t: int, ask: bool) -> bool:
         """cb_eval: stop at bank A·x nodes and mask them in place; never truncate the graph."""
@@ -466,4 +466,4 @@ def token_scales(bank: SlotBank, entries: Sequence[tuple[int, Sequence[tuple[int
     return np.concatenate(rows) if rows else np.zeros((0, bank.K), np.float32)
 
 
-__all__ = ["Admission", "MaskPlan", "SlotBank", "SlotsBusyError", "bank_info", "plan_ubatches", "token_scales"]
+__all__ = ["Admission", "Mask", "MaskPlan", "SlotBank", "SlotsBusyError", "bank_info", "plan_ubatches", "token_scales"]
