@@ -168,12 +168,19 @@ def test_foreign_build_is_compared_only_within_a_given_tolerance(ref: ProbeResul
         run.check(near)
     assert ei.value.rows == {} and "--rtol" in str(ei.value)
     cmp = run.check(near, rtol=1e-3)
-    assert not cmp.exact and cmp.values == len(ROWS) * 5
+    assert not cmp.exact and cmp.values == len(ROWS)  # across builds: each row's total NLL
     assert cmp.max_offset == pytest.approx(1e-4, rel=1e-3)
     assert [f.split(":")[0] for f in cmp.foreign] == ["build.system_info"]
     with pytest.raises(ProbeMismatch) as ei:  # beyond the tolerance every row is named
         run.check(_variant(ref, 1 + 2e-3, **NO_AVX2), rtol=1e-3)
     assert set(ei.value.rows) == set(ROWS) and "across builds" in str(ei.value)
+    d = near.to_dict()
+    d["rows"]["adapter"]["per_prompt"][1] *= 1.05  # one prompt moved, its row's total as it was
+    one_prompt = ProbeResult.from_dict(d)
+    assert run.check(one_prompt, rtol=1e-3).values == len(ROWS)
+    with pytest.raises(ProbeMismatch) as ei:  # on one build (here: the same identity) prompts are compared
+        run.check(ProbeResult.from_dict({**d, "build": ref.build}), rtol=1e-3)
+    assert set(ei.value.rows) == {"adapter"} and "prompts moved: 1 (NLL Δ" in str(ei.value)
     for bad in (-1e-3, float("inf"), float("nan")):
         with pytest.raises(lm.ParameterError):
             run.check(near, rtol=bad)
@@ -214,7 +221,7 @@ def test_nearest_reference_and_committed_check(ref: ProbeResult, tiny_model: Pat
     assert nearest_reference(run, refs)[0] == "one_feature"
     cmp = check_committed(run, refs)
     assert cmp.reference == "one_feature" and cmp.rtol == CROSS_BUILD_RTOL
-    assert cmp.max_offset == pytest.approx(1e-3, rel=1e-2) and cmp.values == len(ROWS) * 5
+    assert cmp.max_offset == pytest.approx(1e-3, rel=1e-2) and cmp.values == len(ROWS)
     refs["one_feature"] = _variant(ref, 1 + 1.5 * CROSS_BUILD_RTOL, system_info=feats + " EXTRA = 1 |")
     with pytest.raises(ProbeMismatch) as ei:  # the nearest one decides; a farther one that agrees does not
         check_committed(run, refs)
@@ -231,7 +238,7 @@ def test_nearest_reference_and_committed_check(ref: ProbeResult, tiny_model: Pat
 
 def test_committed_references_are_named_by_their_build_and_hold_the_invariants():
     refs = committed_references()
-    assert len(refs) >= 1, f"{REFERENCE_DIR} should hold a reference per build identity"
+    assert len(refs) >= 2, f"{REFERENCE_DIR} should hold a reference per build identity"
     for name, r in refs.items():
         assert name == reference_name(r.build), name
         assert r.violations == [] and r.build["threads"] == THREADS and r.adapter["file"] == "builtin"
@@ -364,17 +371,16 @@ def test_default_model_matches_committed_reference(gemma_probe: ProbeResult):
         pytest.fail(f"probe on the default model vs the committed references:\n{e}\n\n"
                     + (f"nearest {near[0]}:\n{_offsets(run, near[1])}" if near else ""))
     used = refs[cmp.reference]
-    assert cmp.values == len(ROWS) * 5
     if not run.foreign_keys(used):
-        assert cmp.exact and cmp.max_offset == 0.0
+        assert cmp.exact and cmp.max_offset == 0.0 and cmp.values == len(ROWS) * 5
     else:
         assert cmp.rtol == CROSS_BUILD_RTOL and cmp.foreign and 0.0 < cmp.max_offset <= CROSS_BUILD_RTOL
-        assert not any(not run.foreign_keys(r) for r in refs.values())
+        assert cmp.values == len(ROWS) and not any(not run.foreign_keys(r) for r in refs.values())
     # negative control: the same comparison must reject a reference moved just beyond what it allows
     d = used.to_dict()
-    x = d["rows"]["plus_eps"]["per_prompt"][1]
-    d["rows"]["plus_eps"]["per_prompt"][1] = (float(np.nextafter(x, np.inf)) if cmp.exact
-                                              else x * (1 + cmp.max_offset + 2 * CROSS_BUILD_RTOL))
+    x = d["rows"]["plus_eps"]["nll_sum"]
+    d["rows"]["plus_eps"]["nll_sum"] = (float(np.nextafter(x, np.inf)) if cmp.exact
+                                        else x * (1 + cmp.max_offset + 2 * CROSS_BUILD_RTOL))
     with pytest.raises(ProbeMismatch) as ei:
         check_committed(run, {**refs, cmp.reference: ProbeResult.from_dict(d)})
     assert set(ei.value.rows) == {"plus_eps"}
@@ -394,5 +400,5 @@ def test_default_model_within_cross_build_tolerance_of_every_other_build(gemma_p
             cmp = check_committed(gemma_probe, {name: ref})
         except ProbeMismatch as e:
             pytest.fail(f"{name}:\n{e}\n\n{_offsets(gemma_probe, ref)}")
-        assert cmp.reference == name and cmp.foreign and cmp.values == len(ROWS) * 5
+        assert cmp.reference == name and cmp.foreign and cmp.values == len(ROWS)
         assert cmp.max_offset <= CROSS_BUILD_RTOL
