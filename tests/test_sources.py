@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import errno
 import hashlib
+import logging
 import os
 import shutil
 import socket
@@ -911,3 +912,13 @@ def test_guarded_https_checks_the_certificate_of_the_name(loopback_is_public: No
     with pytest.raises(DownloadError, match="connection error"):  # the certificate does not name it
         resolve(tls_server.url("/t.gguf", host="wrong.example.test", scheme="https"), allow_private_networks=False,
                 **{**FAST, "retries": 0})
+
+
+def test_request_logs_show_urls_redacted(server: Server, caplog: pytest.LogCaptureFixture) -> None:
+    # httpx logs each request's URL at INFO: a password or a signed query string must not reach the logs.
+    server.add("/logged.gguf", fake_gguf())
+    caplog.set_level(logging.DEBUG)
+    url = server.url("/logged.gguf").replace("://", f"://user:{PASSWORD}@", 1) + "?X-Amz-Signature=sig-s3cr3t"
+    resolve(url, **FAST)
+    assert "logged.gguf" in caplog.text  # the request was logged ...
+    assert PASSWORD not in caplog.text and "sig-s3cr3t" not in caplog.text  # ... without its secrets

@@ -66,6 +66,11 @@ def add_parsers(sub: Any) -> None:
                         "/v1/load_lora_adapter refuses paths")
     p.add_argument("--allow-remote-adapters", action="store_true", default=None,
                    help="let /v1/load_lora_adapter fetch https:// and hf:// sources")
+    p.add_argument("--allow-private-networks", action="store_true", default=None,
+                   help="let remote loads reach loopback, link-local and private addresses (refused by "
+                        "default: a client could reach internal services or cloud metadata)")
+    p.add_argument("--max-adapter-bytes", type=int, default=None, metavar="N",
+                   help="largest file a remote load downloads, in bytes (default 4294967296 = 4 GiB)")
     p.add_argument("--max-loaded", type=int, default=None, metavar="N",
                    help="keep at most N adapters in memory; least recently used unpinned ones are evicted "
                         "and reloaded on demand (default: no limit)")
@@ -114,6 +119,7 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         public_metrics=args.public_metrics,
         adapter_dirs=tuple(base.adapter_dirs) + tuple(args.adapter_dir) if args.adapter_dir else None,
         allow_remote_adapters=args.allow_remote_adapters, max_loaded=args.max_loaded,
+        allow_private_networks=args.allow_private_networks, max_adapter_bytes=args.max_adapter_bytes,
         served_model_name=args.served_model_name, max_body_bytes=args.max_body_bytes,
         loras=tuple(base.loras) + tuple(loras) if loras else None,
         control_vectors=tuple(base.control_vectors) + tuple(cvs) if cvs else None,

@@ -15,9 +15,9 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import uvicorn
 from fastapi import FastAPI, HTTPException
@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..engine.bank import bank_info
 from ..engine.runtime import Engine
+from ..sources import CancelToken
 from . import generation
 from .config import ServerSettings
 from .errors import APIError, from_exception, install_handlers
@@ -40,6 +41,7 @@ from .schemas import (
 from .state import ServerState
 
 log = logging.getLogger("loramux.server")
+T = TypeVar("T")
 
 
 class Guard:
@@ -133,11 +135,11 @@ def _routes(app: FastAPI, state: ServerState) -> None:
     async def models() -> dict[str, Any]:
         n_ctx = state.engine.n_ctx
         data = [{"id": state.base_name, "object": "model", "created": state.started, "owned_by": "loramux",
-                 "root": str(state.engine.model.path), "parent": None, "max_model_len": n_ctx}]
+                 "root": state.engine.model.path.name, "parent": None, "max_model_len": n_ctx}]
         adapters = state.engine.adapters
         for e in pool.ordered():
             data.append({"id": e.name, "object": "model", "created": e.created, "owned_by": "loramux",
-                         "root": e.source, "parent": state.base_name, "max_model_len": n_ctx,
+                         "root": e.display_source(), "parent": state.base_name, "max_model_len": n_ctx,
                          "lora_id": e.id, "scale": e.scale, "resident": e.resident, "pinned": e.pinned,
                          **bank_info(state.engine.bank, adapters.get(e.name))})
         return {"object": "list", "data": data}
@@ -174,10 +176,15 @@ def _adapter_routes(app: FastAPI, state: ServerState) -> None:
     pool = state.pool
 
     @app.post("/v1/load_lora_adapter")
-    async def load_adapter(body: LoadAdapterRequest) -> dict[str, Any]:
-        e = await pool.load(body.lora_name, body.lora_path, scale=body.scale, replace=body.replace,
-                            pinned=body.pinned)
-        return {"message": f"Success: LoRA adapter '{e.name}' added successfully.", "id": e.id, "name": e.name}
+    async def load_adapter(body: LoadAdapterRequest, http: HTTPRequest) -> Response:
+        cancel = CancelToken()  # a client that leaves cancels its download
+        e = await _unless_client_leaves(http, cancel, pool.load(
+            body.lora_name, body.lora_path, scale=body.scale, replace=body.replace, pinned=body.pinned,
+            cancel=cancel))
+        if e is None:
+            return Response(status_code=499)
+        return JSONResponse({"message": f"Success: LoRA adapter '{e.name}' added successfully.", "id": e.id,
+                             "name": e.name})
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_adapter(body: UnloadAdapterRequest) -> dict[str, Any]:
@@ -186,13 +193,41 @@ def _adapter_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/lora-adapters")
     async def list_adapters() -> list[dict[str, Any]]:
-        return [{"id": e.id, "name": e.name, "path": e.path, "scale": e.global_scale, "default_scale": e.scale,
-                 "resident": e.resident, "pinned": e.pinned} for e in pool.ordered()]
+        return [{"id": e.id, "name": e.name, "path": e.display_path(), "scale": e.global_scale,
+                 "default_scale": e.scale, "resident": e.resident, "pinned": e.pinned} for e in pool.ordered()]
 
     @app.post("/lora-adapters")
     async def set_adapters(body: list[AdapterScale]) -> dict[str, Any]:
         pool.set_global_scales([(x.id, x.scale) for x in body])
         return {"success": True}
+
+
+async def _unless_client_leaves(http: HTTPRequest, cancel: CancelToken, work: Awaitable[T]) -> T | None:
+    """Await `work`; if the client disconnects first, set `cancel` (a download stops at its next chunk) and
+    return None once `work` settled: it is never abandoned half-way (an engine load that began finishes)."""
+    task = asyncio.ensure_future(work)
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved even if nobody awaits it
+    watch = asyncio.ensure_future(_disconnected(http))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        cancel.cancel()
+        raise
+    finally:
+        watch.cancel()
+    if task.done():
+        return task.result()
+    cancel.cancel()
+    try:
+        await task
+    except Exception:  # noqa: BLE001 - cancelled, or failed: the client is gone and cannot be told
+        pass
+    return None
+
+
+async def _disconnected(http: HTTPRequest) -> None:
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
 
 
 class _JobStream(StreamingResponse):

@@ -11,6 +11,8 @@
     api_key_env = "LORAMUX_API_KEY"      # read the key from this variable (or api_key = "...")
     adapter_dirs = ["/adapters"]         # runtime loads by path only from here
     allow_remote_adapters = false
+    allow_private_networks = false       # remote loads may not reach loopback/link-local/private hosts
+    max_adapter_bytes = 4294967296       # largest adapter a remote load downloads (4 GiB)
     max_loaded = 16
 
     [[lora]]
@@ -41,6 +43,8 @@ from ..errors import ParameterError
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-:@+/]{0,127}$")
 NAME_RULE = "1-128 characters: letters, digits and . _ - : @ + /, starting with a letter or digit"
+#: Size cap of a remote load: LoRA adapters of the largest open models at rank 64 in F16 take 1-2 GiB.
+DEFAULT_MAX_ADAPTER_BYTES = 4 << 30
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,8 @@ class ServerSettings:
     public_metrics: bool = False  # /metrics without the API key (for scrapers such as the GIE endpoint picker)
     adapter_dirs: tuple[str, ...] = ()
     allow_remote_adapters: bool = False
+    allow_private_networks: bool = False  # remote loads may reach loopback, link-local and private addresses
+    max_adapter_bytes: int | None = DEFAULT_MAX_ADAPTER_BYTES  # size cap of a remote load; None: no cap
     max_loaded: int | None = None
     max_body_bytes: int = 1 << 20
     loras: tuple[LoraEntry, ...] = ()
@@ -138,6 +144,9 @@ class ServerSettings:
             problems.append(f"slots/slot_rank: need slots ≥ 0 and slot_rank ≥ 1, got {self.slots}/{self.slot_rank}")
         if self.max_loaded is not None and self.max_loaded < 1:
             problems.append(f"max_loaded: must be ≥ 1, got {self.max_loaded}")
+        if self.max_adapter_bytes is not None and (type(self.max_adapter_bytes) is not int
+                                                   or self.max_adapter_bytes < 1):
+            problems.append(f"max_adapter_bytes: must be a positive number of bytes, got {self.max_adapter_bytes!r}")
         if self.threads is not None and self.threads < 1:
             problems.append(f"threads: must be ≥ 1, got {self.threads}")
         if self.api_key is not None and not self.api_key.strip():

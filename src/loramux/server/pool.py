@@ -9,6 +9,12 @@ Ordering is what keeps requests from ever seeing a half-loaded or vanished adapt
   synchronous step; the engine runs commands in the order they were queued. So a request that saw
   the adapter is admitted before the removal runs, and the engine keeps a removed adapter alive
   (retired) until the requests using it finish; a request that comes later gets a 404.
+
+A remote source (http(s)://, hf://) is downloaded before the pool lock is taken, so a slow download never
+holds up other loads, unloads or reloads; loads of one source take turns (the second finds the file
+cached), and a load's cancel token (its client left) stops its download. Sources are shown through
+`Entry.display_source`: never with URL credentials or a query string, a local file's directories only to
+the admin plane.
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from ..engine.runtime import Engine
-from ..errors import SourceError
+from ..errors import DownloadRefused, SourceError
+from ..sources import CancelToken, Source, SourceOptions, display, resolve
 from .config import NAME_RE, NAME_RULE, ServerSettings
 from .errors import APIError, model_not_found
 from .schemas import LoraRef
@@ -49,6 +56,15 @@ class Entry:
     last_used: float = field(default_factory=time.monotonic)
     created: int = field(default_factory=lambda: int(time.time()))
 
+    def display_source(self, admin: bool = False) -> str:
+        """The source as a client may see it: URLs without user:password and without their query (often a
+        signature); a local path as its file name, in full only for the admin plane (``admin=True``)."""
+        return display(self.source, full_paths=admin)
+
+    def display_path(self, admin: bool = False) -> str:
+        """The loaded file: its full path for the admin plane, else its file name."""
+        return self.path if admin else Path(self.path).name
+
 
 class AdapterPool:
     """Adapter table of one server. Only the event loop touches it."""
@@ -62,6 +78,9 @@ class AdapterPool:
         self._lock: asyncio.Lock | None = None
         self.evictions = 0
         self.loads = {"ok": 0, "error": 0}
+        self._fetch_locks: dict[str, asyncio.Lock] = {}
+        self.fetching: dict[str, int] = {}  # remote source -> loads that want it (waiting or downloading)
+        self.downloading: dict[str, int] = {}  # remote source -> downloads running (at most 1 each)
         start = {e.name: e for e in settings.loras}
         active = engine.active
         for name, a in engine.adapters.items():  # adapters loaded before serving are pinned
@@ -161,14 +180,17 @@ class AdapterPool:
 
     # ------------------------------------------------------------------ load / unload
     async def load(self, name: str, source: str, *, scale: float = 1.0, replace: bool = False,
-                   pinned: bool = False) -> Entry:
-        """Validate, load and only then publish an adapter; evict LRU adapters past max_loaded."""
+                   pinned: bool = False, cancel: CancelToken | None = None) -> Entry:
+        """Validate, download (a remote source, outside the pool lock), load and only then publish an
+        adapter; evict LRU adapters past max_loaded. `cancel` stops the download (the client left)."""
         if not NAME_RE.match(name) or name == self.base_name:
             raise APIError(400, f"invalid adapter name {name!r}: names must be {NAME_RULE} and differ from "
                                 f"the base model's name", code="invalid_name", param="lora_name")
         if not math.isfinite(scale) or abs(scale) > MAX_SCALE:
             raise APIError(400, f"scale must be finite and within ±{MAX_SCALE:g}", param="scale")
         local = self.check_source(source)
+        if Source.parse(source).kind != "path":
+            local = str(await self.fetch(source, cancel))
         async with self.lock:
             old = self.entries.get(name)
             if old is not None and not replace:
@@ -218,6 +240,40 @@ class AdapterPool:
             e.global_scale = 0.0
         for i, s in pairs:
             by_id[i].global_scale = float(s)
+
+    # ------------------------------------------------------------------ remote sources
+    def source_options(self, cancel: CancelToken | None = None) -> SourceOptions:
+        """How a runtime load fetches a remote source: under --max-adapter-bytes and the private-network
+        guard unless --allow-private-networks."""
+        return SourceOptions(max_bytes=self.settings.max_adapter_bytes, cancel=cancel,
+                             allow_private_networks=self.settings.allow_private_networks)
+
+    async def fetch(self, source: str, cancel: CancelToken | None = None) -> Path:
+        """Download `source` into its cache and return the local file, without the pool lock; one download
+        of a source at a time (a second load of it waits, then finds the file cached). A refusal by a
+        safety limit is a 403; a cancelled await (the request went away) cancels the download."""
+        token = cancel or CancelToken()
+        lock = self._fetch_locks.setdefault(source, asyncio.Lock())
+        self.fetching[source] = self.fetching.get(source, 0) + 1
+        try:
+            async with lock:
+                self.downloading[source] = self.downloading.get(source, 0) + 1
+                try:
+                    return await asyncio.to_thread(resolve, source, self.source_options(token))
+                finally:
+                    _decrement(self.downloading, source)
+        except asyncio.CancelledError:
+            token.cancel()  # the thread cannot be stopped from here: it stops at its next chunk
+            raise
+        except DownloadRefused as e:
+            self.loads["error"] += 1
+            raise APIError(403, str(e), code=e.code, param="lora_path") from None
+        except BaseException:
+            self.loads["error"] += 1
+            raise
+        finally:
+            if _decrement(self.fetching, source) == 0:
+                self._fetch_locks.pop(source, None)
 
     # ------------------------------------------------------------------ residency
     def _queue_removal(self, name: str) -> Any:
@@ -274,8 +330,6 @@ class AdapterPool:
     def check_source(self, source: str) -> str:
         """What may be loaded at runtime: files inside --adapter-dir (symlinks resolved), remote sources
         only with --allow-remote-adapters. Returns what to hand to the engine."""
-        from ..sources import Source
-
         try:
             src = Source.parse(source)
         except SourceError as e:
@@ -303,6 +357,16 @@ class AdapterPool:
             raise APIError(400, f"lora_path {source!r}: no such adapter file in the adapter directories",
                            code="adapter_file_not_found", param="lora_path")
         return str(real)
+
+
+def _decrement(counts: dict[str, int], key: str) -> int:
+    """Count one fewer for `key`, dropping it at zero (the dict lists only what is in use); the new count."""
+    n = counts.get(key, 0) - 1
+    if n > 0:
+        counts[key] = n
+    else:
+        counts.pop(key, None)
+    return max(n, 0)
 
 
 __all__ = ["AdapterPool", "Entry"]

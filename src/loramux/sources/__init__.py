@@ -9,11 +9,14 @@ Accepted forms:
 URLs are downloaded into loramux's own cache (``$LORAMUX_CACHE``, else ``$XDG_CACHE_HOME/loramux``, else
 ``~/.cache/loramux``; files under ``downloads/``) with resume, retries, a file lock against concurrent
 downloads, content checks and an optional sha256 pin. Nothing reaches the final name unless it passed every
-check. ``hf://`` goes through ``huggingface_hub.hf_hub_download`` so the usual Hugging Face cache, ``HF_TOKEN``,
+check. Bodies are never content-decoded; ``max_bytes`` caps a download and ``allow_private_networks=False``
+keeps it off loopback, link-local and private addresses (both for sources someone else chose: the server).
+``hf://`` goes through ``huggingface_hub.hf_hub_download`` so the usual Hugging Face cache, ``HF_TOKEN``,
 ``HF_ENDPOINT`` and ``HF_HUB_OFFLINE`` behave as users expect.
 
-The package, in dependency order: ``spec`` (forms, parsing, options, shared helpers) <- ``http`` (URL
-downloads) and ``hub`` (``hf://``) <- this module, whose :func:`resolve` is the one way in.
+The package, in dependency order: ``spec`` (forms, parsing, options, shared helpers) and ``guard`` (the
+private-network check) <- ``http`` (URL downloads) and ``hub`` (``hf://``) <- this module, whose
+:func:`resolve` is the one way in.
 """
 
 from __future__ import annotations
@@ -35,12 +38,13 @@ from .spec import (
     SourceOptions,
     TqdmProgress,
     default_cache_dir,
+    display,
     tqdm_progress,
 )
 
 __all__ = [
     "ACCEPTED_FORMS", "MAX_REDIRECTS", "POLICIES", "CancelToken", "Source", "SourceOptions", "TqdmProgress",
-    "default_cache_dir", "pull", "resolve", "tqdm_progress", "url_cache_path",
+    "default_cache_dir", "display", "pull", "resolve", "tqdm_progress", "url_cache_path",
 ]
 
 

@@ -15,6 +15,7 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import re
 import threading
@@ -45,6 +46,21 @@ from .spec import (
 #: Redirects followed per request; a Hub file needs one or two, a mirror a few.
 MAX_REDIRECTS = 5
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
+
+
+class _RedactedRequestLog(logging.Filter):
+    """httpx logs every request's URL at INFO; a source URL may hold a password or a signed query string.
+    This filter on the ``httpx`` logger shows such URLs redacted (it changes nothing else, drops nothing)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple) and any(isinstance(a, httpx.URL) for a in record.args):
+            record.args = tuple(redact(str(a)) if isinstance(a, httpx.URL) and (a.userinfo or a.query) else a
+                                for a in record.args)
+        return True
+
+
+if not any(isinstance(f, _RedactedRequestLog) for f in logging.getLogger("httpx").filters):
+    logging.getLogger("httpx").addFilter(_RedactedRequestLog())
 
 
 def download(src: Source, opts: SourceOptions, pin: str | None) -> Path:
