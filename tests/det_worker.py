@@ -1,6 +1,7 @@
 """Run in a fresh process (ggml reads its kernel switches once per process): solo vs concurrent requests.
 
-Prints one JSON line: how many texts and logit rows are identical between solo and batched runs.
+Prints one JSON line: how many texts and logit rows are identical between solo and batched runs, and
+how many decode calls each took (with how many of the batched ones held several sequences).
 Usage: python det_worker.py MODEL deterministic(0|1) slots ADAPTER...
 """
 
@@ -29,7 +30,9 @@ def main() -> None:
         ["cats", "rivers", "the moon", "bread", "music", "trains", "snow", "gardens", "maps", "clocks",
          "bees", "ships"])][:10] + [long_text + f" Part {i}." for i in range(2)]
     jobs = [(p, sets[i % len(sets)]) for i, p in enumerate(prompts)]
+    s0 = eng.stats()
     solo = [eng.generate(p, loras=s, max_tokens=16, ignore_eos=True).text for p, s in jobs]
+    s1 = eng.stats()
     out: list[str | None] = [None] * len(jobs)
 
     def run(i: int, delay: float) -> None:
@@ -37,14 +40,21 @@ def main() -> None:
         out[i] = eng.generate(jobs[i][0], loras=jobs[i][1], max_tokens=16, ignore_eos=True).text
     threads = [threading.Thread(target=run, args=(i, 0.05 * (i % 5))) for i in range(len(jobs))]
     [t.start() for t in threads]
-    [t.join() for t in threads]
+    [t.join(timeout=600) for t in threads]
+    assert not any(t.is_alive() for t in threads), "a request did not finish within 600 s"
+    s2 = eng.stats()
     same_text = sum(a == b for a, b in zip(solo, out))
     base_jobs = [i for i, (_, s) in enumerate(jobs) if not s]
     same_base = sum(solo[i] == out[i] for i in base_jobs)
-    rows = logits_rows(eng, [p for p, _ in jobs[8:]] + [p for p, _ in jobs[:4]]) if det or not slots else (0, 0)
+    rows = logits_rows(eng, [p for p, _ in jobs[8:]] + [p for p, _ in jobs[:4]])
     eng.close()
     print(json.dumps({"texts": len(jobs), "same_text": same_text, "rows": rows[1], "same_rows": rows[0],
                       "base_texts": len(base_jobs), "same_base_text": same_base,
+                      # decode calls for the requests one at a time vs all at once, and how many of the
+                      # latter held tokens of several sequences (shared steps, not serialized ones)
+                      "solo_steps": s1["decode_steps"] - s0["decode_steps"],
+                      "batched_steps": s2["decode_steps"] - s1["decode_steps"],
+                      "multi_seq_steps": s2["multi_seq_steps"] - s1["multi_seq_steps"],
                       "llamafile": "LLAMAFILE = 1" in N.system_info()}))
 
 

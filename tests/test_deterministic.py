@@ -45,6 +45,18 @@ def _run(model: Path, det: bool, slots: int, adapters: list[str], python: str = 
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+def _assert_shared_steps(res: dict) -> None:
+    """The concurrent requests were decoded together: some llama_decode calls held several sequences,
+    and all of them took fewer calls than the same requests one at a time."""
+    assert res["multi_seq_steps"] > 0, res
+    assert res["batched_steps"] < res["solo_steps"], res
+
+
+def _skip_if_invariant(res: dict, differs: bool) -> None:
+    if not differs:
+        pytest.skip(f"default mode is batch-invariant on this CPU and build, nothing to control: {res}")
+
+
 @pytest.mark.gemma
 @pytest.mark.slow
 def test_deterministic_base_requests_on_default_build(gemma_path, tmp_path):
@@ -52,6 +64,18 @@ def test_deterministic_base_requests_on_default_build(gemma_path, tmp_path):
     res = _run(gemma_path, True, 4, _adapters(gemma_path, tmp_path))
     assert res["same_base_text"] == res["base_texts"] > 0, res
     assert res["same_rows"] == res["rows"] and res["rows"] > 0, res
+    _assert_shared_steps(res)
+
+
+@pytest.mark.gemma
+@pytest.mark.slow
+def test_default_mode_negative_control_on_default_build(gemma_path, tmp_path):
+    """The run above with deterministic mode off: base texts or logit rows do change under load, so the
+    identity asserted above is owed to deterministic mode. (Skipped where default mode shows no difference.)"""
+    res = _run(gemma_path, False, 4, _adapters(gemma_path, tmp_path))
+    _assert_shared_steps(res)
+    assert res["rows"] > 0 and res["base_texts"] > 0, res
+    _skip_if_invariant(res, res["same_base_text"] < res["base_texts"] or res["same_rows"] < res["rows"])
 
 
 @pytest.mark.gemma
@@ -66,6 +90,19 @@ def test_deterministic_mode_with_adapters(gemma_path, tmp_path, slots):
     assert res["llamafile"] is False, res
     assert res["same_text"] == res["texts"], res
     assert res["same_rows"] == res["rows"] and res["rows"] > 0, res
+    _assert_shared_steps(res)
+
+
+@pytest.mark.gemma
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("LORAMUX_DET_PYTHON"), reason="needs LORAMUX_DET_PYTHON (see above)")
+@pytest.mark.parametrize("slots", [0, 4])
+def test_default_mode_negative_control_with_adapters(gemma_path, tmp_path, slots):
+    """The run above with deterministic mode off, same build: some text or logit row changes under load."""
+    res = _run(gemma_path, False, slots, _adapters(gemma_path, tmp_path), python=os.environ["LORAMUX_DET_PYTHON"])
+    _assert_shared_steps(res)
+    assert res["rows"] > 0, res
+    _skip_if_invariant(res, res["same_text"] < res["texts"] or res["same_rows"] < res["rows"])
 
 
 def test_deterministic_refuses_batch_variant_settings(tiny_model):
