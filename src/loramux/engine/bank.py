@@ -94,12 +94,16 @@ class Mask:
         self.mode = 1 if self.keep.all() else 0 if not self.keep.any() else 2
 
     def apply(self, x: np.ndarray) -> None:
-        """Scale the kept entries of `x` in place and set the others to exactly 0 (never x·0)."""
-        if self.mode == 1:
-            np.multiply(x, self.values, out=x)
-        elif self.mode == 2:
-            np.multiply(x, self.values, out=x, where=self.keep)
+        """Set the dropped entries of `x` to exactly 0, then scale the kept ones, in place.
+
+        Zeroing first means no product ever meets an Inf or NaN of a dropped entry (x·0 would give NaN).
+        """
+        mode = self.mode
+        if mode == 2:
             np.copyto(x, 0.0, where=self.drop)
+            x *= self.values
+        elif mode == 1:
+            x *= self.values
         else:
             x.fill(0.0)
 
