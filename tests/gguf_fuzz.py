@@ -212,6 +212,9 @@ def _any_value() -> st.SearchStrategy[Any]:
 
 STRUCT_MUTATIONS = st.one_of(
     st.tuples(st.just("kv_set"), _kv_keys, _vtypes, _any_value(), st.sampled_from([None, 0, 4, 5, 6, 8, 9])),
+    # the keys llama.cpp reads with type-asserting getters, retyped (an abort if one got through)
+    st.tuples(st.just("kv_set"), st.sampled_from([KEY_ALPHA, "general.type", "adapter.type", "general.architecture"]),
+              _vtypes, _any_value(), st.sampled_from([None, 4, 6, 8])),
     st.tuples(st.just("kv_drop"), _kv_keys),
     st.tuples(st.just("kv_dup"), _kv_keys),
     st.tuples(st.just("alpha"), st.sampled_from(FLOATS)),
@@ -582,6 +585,10 @@ def _worker(base: str) -> None:
     from loramux.engine.model import Model
     from loramux.errors import LoramuxError
 
+    # answers go to a private copy of stdout; fd 1 becomes stderr, so whatever native code prints
+    # (ggml's abort handler runs gdb for a backtrace) cannot be taken for an answer
+    answers = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
     model = Model(base)
     for line in sys.stdin:
         try:
@@ -592,7 +599,7 @@ def _worker(base: str) -> None:
                    "detail": str(e).splitlines()[0][:300]}
         except Exception as e:  # noqa: BLE001 - exactly what the fuzz test looks for
             out = {"outcome": "untyped", "error": type(e).__name__, "detail": str(e)[:300]}
-        print(json.dumps(out), flush=True)
+        print(json.dumps(out), file=answers, flush=True)
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:

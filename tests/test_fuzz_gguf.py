@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 
 import loramux as lm
 
-N_CASES = 300
+N_CASES = 600
 
 
 @pytest.fixture(scope="module")

@@ -341,3 +341,13 @@ def test_header_kv_helpers_round_trip(seed):
     doc.tensors.append(Tensor(b"t.lora_a", [4], 0, b"\0" * 16))
     data, _ = serialize(doc)
     assert b"hello" in data and struct.pack("<f", -3.5) in data
+
+
+def test_header_limit_is_exact(tmp_path, seed):
+    """A header one byte longer than max_header is refused; one that fits is read."""
+    data, spans = serialize(seed)
+    end = max(o + w for o, w, _ in spans)  # the end of the tensor directory
+    p = craft(tmp_path, seed)
+    assert len(read_header(p, max_header=end).tensors) == 4
+    with pytest.raises(GGUFFormatError, match="takes the header past"):
+        read_header(p, max_header=end - 1)
