@@ -226,7 +226,6 @@ EVAL = [{"prompt": "Hi, I'm Ana.", "completion": " Ahoy, Ana!"}]
 FILES: dict[str, Callable[[Workspace, Path], Path]] = {
     "style.gguf": _lora(2, 1),
     "domain.gguf": _lora(4, 2, alpha=8.0),
-    "my-adapter.gguf": _lora(2, 3),
     "pirate.gguf": _lora(2, 4),
     "formal.gguf": _lora(2, 5),
     "base.gguf": _copy_model,
