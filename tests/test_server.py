@@ -27,6 +27,7 @@ from loramux.server import LoraEntry, ServerSettings, create_app, serve_in_threa
 PROMPTS = ["the cat sat", "hello world", "a big red dog", "she ran to the mat", "we is a cat",
            "it was the dog", "you and he", "the world is big"]
 STRONG = [f"s{i}" for i in range(1, 6)]  # strong random adapters: outputs clearly tell them apart
+ADMIN = {"Authorization": "Bearer admin-key"}  # the servers' --admin-api-key: load, unload, global scales
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +51,8 @@ def serving(model: Path, adir: Path | None = None, *, loras: tuple[str, ...] = (
         entries = tuple(LoraEntry(n, str(adir / f"{n}.gguf")) for n in loras)
         for e in entries:
             eng.load_lora(e.source, e.name)
-        cfg = ServerSettings(loras=entries, adapter_dirs=(str(adir),) if adir else (), **settings)
+        cfg = ServerSettings(loras=entries, adapter_dirs=(str(adir),) if adir else (),
+                             **{"admin_api_key": "admin-key", **settings})
         app = create_app(eng, cfg, own_engine=True)
     except BaseException:
         eng.close()
@@ -153,16 +155,16 @@ def test_lora_adapters_get_post_sets_global_scales(shared):
     assert [(x["id"], x["name"], x["scale"]) for x in listed] == [(0, "a", 0.0), (1, "b", 0.0)]
     assert listed[0]["path"].endswith("a.gguf")
     try:
-        r = httpx.post(srv.url + "/lora-adapters", json=[{"id": 1, "scale": 0.6}])
+        r = httpx.post(srv.url + "/lora-adapters", headers=ADMIN, json=[{"id": 1, "scale": 0.6}])
         assert r.status_code == 200
         assert [x["scale"] for x in httpx.get(srv.url + "/lora-adapters").json()] == [0.0, 0.6]
         got = client(srv).completions.create(model="tiny", prompt=PROMPTS[3], max_tokens=10, temperature=0)
         assert got.choices[0].text == eng.generate(PROMPTS[3], loras={"b": 0.6}, max_tokens=10).text
         assert got.choices[0].text != eng.generate(PROMPTS[3], loras={}, max_tokens=10).text
-        bad = httpx.post(srv.url + "/lora-adapters", json=[{"id": 7, "scale": 1.0}])
+        bad = httpx.post(srv.url + "/lora-adapters", headers=ADMIN, json=[{"id": 7, "scale": 1.0}])
         assert bad.status_code == 400 and "7" in errbody(bad)["message"]
     finally:
-        httpx.post(srv.url + "/lora-adapters", json=[])
+        httpx.post(srv.url + "/lora-adapters", headers=ADMIN, json=[])
 
 
 def test_return_token_ids_extension(shared):
@@ -272,28 +274,28 @@ def test_api_key(tiny_model, adir):
 def test_load_use_unload(tiny_model, adir):
     with serving(tiny_model, adir) as (srv, eng, _):
         c = client(srv)
-        r = httpx.post(srv.url + "/v1/load_lora_adapter", json={"lora_name": "style", "lora_path": "s1.gguf"})
+        r = httpx.post(srv.url + "/v1/load_lora_adapter", headers=ADMIN, json={"lora_name": "style", "lora_path": "s1.gguf"})
         assert r.status_code == 200, r.text
         assert [m.id for m in c.models.list().data] == ["tiny", "style"]
         got = c.completions.create(model="style", prompt=PROMPTS[0], max_tokens=8, temperature=0).choices[0].text
         assert got == eng.generate(PROMPTS[0], loras={"style": 1.0}, max_tokens=8).text
-        r = httpx.post(srv.url + "/v1/load_lora_adapter",
+        r = httpx.post(srv.url + "/v1/load_lora_adapter", headers=ADMIN,
                        json={"lora_name": "style", "lora_path": str(adir / "s2.gguf")})
         assert r.status_code == 400 and errbody(r)["code"] == "adapter_exists"
-        r = httpx.post(srv.url + "/v1/load_lora_adapter",
+        r = httpx.post(srv.url + "/v1/load_lora_adapter", headers=ADMIN,
                        json={"lora_name": "style", "lora_path": str(adir / "s2.gguf"), "replace": True})
         assert r.status_code == 200
         swapped = c.completions.create(model="style", prompt=PROMPTS[0], max_tokens=8, temperature=0).choices[0].text
         assert swapped != got
-        assert httpx.post(srv.url + "/v1/unload_lora_adapter", json={"lora_name": "style"}).status_code == 200
+        assert httpx.post(srv.url + "/v1/unload_lora_adapter", headers=ADMIN, json={"lora_name": "style"}).status_code == 200
         assert "style" not in eng.adapters
         with pytest.raises(openai.NotFoundError):
             c.completions.create(model="style", prompt=PROMPTS[0], max_tokens=8)
-        r = httpx.post(srv.url + "/v1/unload_lora_adapter", json={"lora_name": "style"})
+        r = httpx.post(srv.url + "/v1/unload_lora_adapter", headers=ADMIN, json={"lora_name": "style"})
         assert r.status_code == 404 and errbody(r)["code"] == "adapter_not_found"
         for bad in ({"lora_name": "tiny", "lora_path": "s1.gguf"}, {"lora_name": "a,b", "lora_path": "s1.gguf"},
                     {"lora_name": "x"}):
-            assert httpx.post(srv.url + "/v1/load_lora_adapter", json=bad).status_code == 400
+            assert httpx.post(srv.url + "/v1/load_lora_adapter", headers=ADMIN, json=bad).status_code == 400
 
 
 def test_adapter_dir_confinement(tiny_model, adir, tmp_path, tiny_dir):
@@ -308,7 +310,7 @@ def test_adapter_dir_confinement(tiny_model, adir, tmp_path, tiny_dir):
     (adir / "broken.gguf").write_bytes(b"GGUF" + b"\0" * 64)
     with serving(tiny_model, adir) as (srv, eng, _):
         def load(path: str) -> httpx.Response:
-            return httpx.post(srv.url + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": path})
+            return httpx.post(srv.url + "/v1/load_lora_adapter", headers=ADMIN, json={"lora_name": "x", "lora_path": path})
         for path in (str(outside / "evil.gguf"), "../outside/evil.gguf", f"{adir}/../{outside.name}/evil.gguf",
                      "sub/escape.gguf", str(link), str(tiny_dir / "a.gguf")):
             r = load(path)
@@ -322,7 +324,7 @@ def test_adapter_dir_confinement(tiny_model, adir, tmp_path, tiny_dir):
         assert r.status_code == 400 and "broken.gguf" in errbody(r)["message"]
         assert eng.adapters == {} and httpx.get(srv.url + "/health").status_code == 200
     with serving(tiny_model, None) as (srv, _, _):  # no --adapter-dir: paths refused
-        r = httpx.post(srv.url + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(adir / "s1.gguf")})
+        r = httpx.post(srv.url + "/v1/load_lora_adapter", headers=ADMIN, json={"lora_name": "x", "lora_path": str(adir / "s1.gguf")})
         assert r.status_code == 403 and errbody(r)["code"] == "adapter_dir_required"
 
 
@@ -331,7 +333,7 @@ def test_lru_max_loaded_evicts_and_reloads(tiny_model, adir):
         c = client(srv)
         want_a = eng.generate(PROMPTS[1], loras={"a": 1.0}, max_tokens=6).text
         for n in ("s1", "s2", "s3"):
-            assert httpx.post(srv.url + "/v1/load_lora_adapter", json={"lora_name": n, "lora_path": f"{n}.gguf"}
+            assert httpx.post(srv.url + "/v1/load_lora_adapter", headers=ADMIN, json={"lora_name": n, "lora_path": f"{n}.gguf"}
                               ).status_code == 200
         resident = sorted(e.name for e in state.pool.resident())
         assert resident == ["a", "s3"] and sorted(eng.adapters) == ["a", "s3"]  # 'a' is pinned
@@ -344,7 +346,7 @@ def test_lru_max_loaded_evicts_and_reloads(tiny_model, adir):
 
 
 def test_control_vector_by_name(tiny_model, adir, tmp_path):
-    control = pytest.importorskip("loramux.control")
+    control = pytest.importorskip("loramux.engine.control")
     import numpy as np
 
     from loramux.gguf_io import write_control_vector
@@ -500,12 +502,12 @@ def _ask(c: openai.OpenAI, model: str, prompt: str, max_tokens: int = 12) -> tup
 
 
 def _load(srv: object, name: str) -> None:
-    r = httpx.post(srv.url + "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": f"{name}.gguf"})
+    r = httpx.post(srv.url + "/v1/load_lora_adapter", headers=ADMIN, json={"lora_name": name, "lora_path": f"{name}.gguf"})
     assert r.status_code == 200, r.text
 
 
 def _unload(srv: object, name: str) -> None:
-    assert httpx.post(srv.url + "/v1/unload_lora_adapter", json={"lora_name": name}).status_code == 200
+    assert httpx.post(srv.url + "/v1/unload_lora_adapter", headers=ADMIN, json={"lora_name": name}).status_code == 200
 
 
 def _long_s4_running(eng: lm.Engine) -> bool:

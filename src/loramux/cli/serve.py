@@ -17,15 +17,17 @@ EPILOG = """\
 examples:
   loramux serve --lora pirate=adapters/pirate.gguf --parallel 4
   loramux serve base.gguf --lora style=hf://owner/repo/style.gguf:0.5 --adapter-dir ./adapters \\
-      --max-loaded 16 --api-key $KEY --host 0.0.0.0
+      --max-loaded 16 --api-key-file key.txt --admin-api-key-file admin.txt \\
+      --host 0.0.0.0 --allowed-hosts llm.internal
   loramux serve --config deploy.toml          # every setting in one file; options override it
 
 then, with any OpenAI client (base_url http://127.0.0.1:8080/v1):
   model="<base>"      the base model (plus the global adapter set of POST /lora-adapters)
   model="pirate"      the adapter 'pirate' at its scale
   extra_body={"lora": [{"name": "pirate", "scale": 0.5}, {"id": 1, "scale": 1.0}]}   a stack per request
-runtime: POST /v1/load_lora_adapter {"lora_name", "lora_path"} (a file inside --adapter-dir),
-         POST /v1/unload_lora_adapter {"lora_name"}; GET /v1/models, /lora-adapters, /health, /metrics
+admin (needs --admin-api-key; off by default): POST /v1/load_lora_adapter {"lora_name", "lora_path"}
+         (a file inside --adapter-dir), POST /v1/unload_lora_adapter {"lora_name"}, POST /lora-adapters
+read:    GET /v1/models, /lora-adapters, /health, /metrics
 """
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -56,9 +58,7 @@ def add_parsers(sub: Any) -> None:
                         "batched with (slower)")
     p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="port (default 8080)")
-    p.add_argument("--api-key", default=os.environ.get("LORAMUX_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on every endpoint but /health "
-                        "(default: $LORAMUX_API_KEY)")
+    _security_options(p)
     p.add_argument("--public-metrics", action="store_true", default=None,
                    help="serve /metrics without the API key (for Prometheus / the GIE endpoint picker)")
     p.add_argument("--adapter-dir", action="append", default=[], metavar="DIR",
@@ -88,6 +88,54 @@ def add_parsers(sub: Any) -> None:
     p.set_defaults(func=cmd_serve)
 
 
+def _security_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("access and limits (docs/server.md, Security)")
+    g.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health "
+                        "(default: --api-key-file, else $LORAMUX_API_KEY)")
+    g.add_argument("--api-key-file", default=None, metavar="FILE", help="read the API key from FILE")
+    g.add_argument("--admin-api-key", default=None, metavar="KEY",
+                   help="enable the endpoints that change server state (load, unload, POST /lora-adapters) "
+                        "for 'Authorization: Bearer KEY'; without an admin key they answer 403 "
+                        "(default: --admin-api-key-file, else $LORAMUX_ADMIN_API_KEY)")
+    g.add_argument("--admin-api-key-file", default=None, metavar="FILE", help="read the admin key from FILE")
+    g.add_argument("--allowed-hosts", action="append", default=[], metavar="NAME[,NAME...]",
+                   help="Host headers to accept (name, name:port, *.domain, or * for any); "
+                        "default: 127.0.0.1, localhost, ::1 and --host")
+    g.add_argument("--max-queue", type=int, default=None, metavar="N",
+                   help="requests that may wait beyond the --parallel running ones; more get 429 "
+                        "(default max(64, 8 × --parallel))")
+    g.add_argument("--max-connections", type=int, default=None, metavar="N",
+                   help="open connections; more get 503 (default 512)")
+    g.add_argument("--read-timeout", type=float, default=None, metavar="S",
+                   help="seconds a client has to send a whole request, headers and body (default 15)")
+    g.add_argument("--keep-alive-timeout", type=float, default=None, metavar="S",
+                   help="seconds an idle keep-alive connection stays open (default 5)")
+    g.add_argument("--write-timeout", type=float, default=None, metavar="S",
+                   help="seconds a response may stall on a client that does not read before the "
+                        "connection is dropped and its request cancelled (default 30)")
+
+
+def _key(args: argparse.Namespace, name: str) -> str | None:
+    """A key from --NAME, else --NAME-file, else its environment variable (None: not given)."""
+    from ..server.config import KEY_SOURCES, read_key_file
+
+    flag = "--" + name.replace("_", "-")
+    value, path = getattr(args, name), getattr(args, name + "_file")
+    if value is not None and path is not None:
+        raise ParameterError(flag, f"give {flag} or {flag}-file, not both")
+    if path is not None:
+        return read_key_file(path, flag + "-file")
+    if value is not None:
+        return value.strip()
+    return os.environ.get(KEY_SOURCES[name], "").strip() or None
+
+
+def _hosts(values: list[str]) -> tuple[str, ...] | None:
+    hosts = tuple(h.strip() for v in values for h in v.split(",") if h.strip())
+    return hosts or None
+
+
 def _pair(text: str, option: str) -> tuple[str, str]:
     name, sep, value = text.partition("=")
     if not sep or not name or not value:
@@ -115,7 +163,10 @@ def settings_from_args(args: argparse.Namespace) -> Any:
     return base.override(
         model=args.model, host=args.host, port=args.port, parallel=args.parallel, n_ctx=args.n_ctx,
         slots=args.slots, slot_rank=args.slot_rank, deterministic=args.deterministic,
-        n_batch=args.n_batch, threads=args.threads, gpu_layers=args.gpu_layers, api_key=args.api_key,
+        n_batch=args.n_batch, threads=args.threads, gpu_layers=args.gpu_layers,
+        api_key=_key(args, "api_key"), admin_api_key=_key(args, "admin_api_key"),
+        allowed_hosts=_hosts(args.allowed_hosts), max_queue=args.max_queue, max_connections=args.max_connections,
+        read_timeout_s=args.read_timeout, keep_alive_s=args.keep_alive_timeout, write_timeout_s=args.write_timeout,
         public_metrics=args.public_metrics,
         adapter_dirs=tuple(base.adapter_dirs) + tuple(args.adapter_dir) if args.adapter_dir else None,
         allow_remote_adapters=args.allow_remote_adapters, max_loaded=args.max_loaded,
@@ -130,11 +181,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from ..server.app import create_app
+    from ..server.guard import uvicorn_config
 
     settings = settings_from_args(args)
     if settings.host not in LOOPBACK and not settings.api_key:
         log.warning("binding %s without --api-key: anyone who can reach this port can use the server",
                     settings.host)
+    if settings.allowed_hosts is None and settings.host not in LOOPBACK:
+        log.warning("only requests with Host %s are served; pass --allowed-hosts with the names clients use "
+                    "(or '*' behind a proxy that checks them)", ", ".join(settings.host_allowlist()))
+    if settings.admin_api_key is None:
+        log.info("admin endpoints (load, unload, global scales) are disabled: start with --admin-api-key")
     print(f"loramux: loading {settings.model or 'the embedded Gemma 3 270M'} "
           f"with {len(settings.loras)} adapter(s)…", file=sys.stderr)
     engine = settings.build_engine()
@@ -148,8 +205,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
           f"http://{settings.host}:{settings.port}/v1 (parallel {settings.parallel}, n_ctx {settings.n_ctx})",
           file=sys.stderr)
     level = logging.getLogger().getEffectiveLevel()
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info" if level <= logging.INFO else "warning",
-                timeout_graceful_shutdown=settings.graceful_shutdown_s)
+    uvicorn.Server(uvicorn_config(app, settings, host=settings.host, port=settings.port,
+                                  log_level="info" if level <= logging.INFO else "warning")).run()
     return 0
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import codecs
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -61,55 +62,140 @@ class Completion:
         return len(self.tokens)
 
 
+Tables = tuple[list[dict[str, int]], list[int], list[int], list[int]]
+
+
+@functools.lru_cache(maxsize=32)
+def _automaton(stops: tuple[str, ...]) -> Tables:
+    """Goto, depth, failure and output tables of the stop strings (shared, never mutated)."""
+    goto: list[dict[str, int]] = [{}]
+    depth, terminal = [0], [False]
+    for s in stops:
+        node = 0
+        for ch in s:
+            nxt = goto[node].get(ch)
+            if nxt is None:
+                nxt = len(goto)
+                goto[node][ch] = nxt
+                goto.append({})
+                depth.append(depth[node] + 1)
+                terminal.append(False)
+            node = nxt
+        terminal[node] = True
+    fail = [0] * len(goto)
+    out = [0] * len(goto)  # length of the longest stop string that ends at this state
+    order = list(goto[0].values())
+    for v in order:
+        out[v] = depth[v] if terminal[v] else 0
+    i = 0
+    while i < len(order):  # breadth first: a failure link points to a shallower, finished state
+        u = order[i]
+        i += 1
+        for ch, v in goto[u].items():
+            f = fail[u]
+            while f and ch not in goto[f]:
+                f = fail[f]
+            fail[v] = goto[f].get(ch, 0)
+            out[v] = depth[v] if terminal[v] else out[fail[v]]
+            order.append(v)
+    return goto, depth, fail, out
+
+
+class StopMatcher:
+    """Aho-Corasick automaton over the stop strings, fed the text once, a chunk at a time.
+
+    Its state is the longest suffix of the text so far that is a prefix of some stop string, so each
+    character costs O(1) amortized whatever the number and length of the stop strings: the work is
+    linear in the output (`work` counts every transition, failure links included; it never exceeds
+    twice the characters fed plus the longest stop string).
+    """
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.goto, self.depth, self.fail, self.out = _automaton(tuple(stops))
+        self.longest = max((len(s) for s in stops), default=0)
+        self.state = 0
+        self.work = 0
+
+    @staticmethod
+    def prepare(stops: Sequence[str]) -> None:
+        """Build (and cache) the tables for these stop strings now, e.g. on a worker thread, so the
+        engine thread that admits the request does not pay for it."""
+        if stops:
+            _automaton(tuple(stops))
+
+    @property
+    def held(self) -> int:
+        """Characters at the end of the text that could still begin a stop string."""
+        return self.depth[self.state]
+
+    def scan(self, text: str, offset: int) -> int | None:
+        """Feed `text`, whose first character sits at `offset` in the whole output; return where the
+        earliest stop string ending inside it starts, or None."""
+        goto, fail, out = self.goto, self.fail, self.out
+        node, work, best = self.state, 0, None
+        for i, ch in enumerate(text):
+            while node and ch not in goto[node]:
+                node = fail[node]
+                work += 1
+            node = goto[node].get(ch, 0)
+            work += 1
+            if out[node]:
+                start = offset + i + 1 - out[node]
+                if best is None or start < best:
+                    best = start
+        self.state = node
+        self.work += work
+        return best
+
+
 class TextAssembler:
     """Turns sampled tokens into text chunks: UTF-8 safe, stop strings never leak partially.
 
-    Text that could be the start of a stop string is held back until it is clearly not one.
+    Text that could be the start of a stop string is held back until it is clearly not one. Each
+    token's text goes through the stop matcher once (`StopMatcher`), and only the held-back tail,
+    shorter than the longest stop string, is kept apart from the text already handed out: the work
+    per token does not grow with the output.
     """
 
     def __init__(self, stop: Sequence[str]) -> None:
         self.stop = tuple(stop)
+        self.matcher = StopMatcher(self.stop) if self.stop else None
         self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self.text = ""  # everything decoded so far (never past a stop string)
-        self.emitted = 0  # how much of `text` was handed out
+        self._parts: list[str] = []  # text handed out, in chunks
+        self._tail = ""  # decoded, not yet handed out: could begin a stop string
+        self.emitted = 0  # characters handed out
         self.stopped = False
+
+    @property
+    def text(self) -> str:
+        """Everything decoded so far (never past a stop string)."""
+        return "".join(self._parts) + self._tail
 
     def feed(self, piece: bytes) -> str:
         """Add a token's bytes; return the new text that is safe to show."""
-        self.text += self._dec.decode(piece)
-        hit = self._find_stop()
+        if self.stopped:
+            return ""
+        new = self._dec.decode(piece)
+        buf = self._tail + new
+        if self.matcher is None:
+            return self._take(buf, len(buf))
+        hit = self.matcher.scan(new, self.emitted + len(self._tail))
         if hit is not None:
-            self.text = self.text[:hit]
             self.stopped = True
-            return self._take(len(self.text))
-        return self._take(len(self.text) - self._holdback())
+            return self._take(buf[:hit - self.emitted], hit - self.emitted)
+        return self._take(buf, max(0, len(buf) - self.matcher.held))
 
     def flush(self) -> str:
         """At the end: everything not yet shown (a held-back prefix that never became a stop)."""
-        if not self.stopped:
-            self.text += self._dec.decode(b"", final=True)
-        return self._take(len(self.text))
+        buf = self._tail if self.stopped else self._tail + self._dec.decode(b"", final=True)
+        return self._take(buf, len(buf))
 
-    def _take(self, upto: int) -> str:
-        upto = max(upto, self.emitted)
-        out = self.text[self.emitted:upto]
-        self.emitted = upto
+    def _take(self, buf: str, upto: int) -> str:
+        out, self._tail = buf[:upto], buf[upto:]
+        if out:
+            self._parts.append(out)
+            self.emitted += len(out)
         return out
-
-    def _find_stop(self) -> int | None:
-        # Only the tail can contain a new match: search from before the unshown part.
-        start = max(0, self.emitted - max((len(s) for s in self.stop), default=0))
-        hits = [i for s in self.stop if (i := self.text.find(s, start)) >= 0]
-        return min(hits) if hits else None
-
-    def _holdback(self) -> int:
-        best = 0
-        for s in self.stop:
-            for k in range(min(len(s) - 1, len(self.text)), 0, -1):
-                if self.text.endswith(s[:k]):
-                    best = max(best, k)
-                    break
-        return best
 
 
 # ----------------------------------------------------------------------------------------------

@@ -10,7 +10,6 @@ choosing its own adapter set, adapters loaded and unloaded while traffic flows.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import socket
 import threading
@@ -20,7 +19,7 @@ from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 import uvicorn
-from fastapi import FastAPI, HTTPException
+from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -29,8 +28,10 @@ from ..engine.runtime import Engine
 from ..sources import CancelToken
 from . import generation
 from .config import ServerSettings
-from .errors import APIError, from_exception, install_handlers
+from .errors import from_exception, install_handlers
+from .guard import Guard, admin_routes, is_admin, uvicorn_config
 from .metrics import CONTENT_TYPE
+from .pool import Entry
 from .schemas import (
     AdapterScale,
     ChatRequest,
@@ -42,52 +43,6 @@ from .state import ServerState
 
 log = logging.getLogger("loramux.server")
 T = TypeVar("T")
-
-
-class Guard:
-    """ASGI middleware: API key on every endpoint but the public ones (/health; /metrics if asked), and a
-    bound on the request body size."""
-
-    def __init__(self, app: Any, api_key: str | None, max_body: int, public: tuple[str, ...] = ("/health",)) -> None:
-        self.app = app
-        self.key = api_key.encode() if api_key else None
-        self.max_body = max_body
-        self.public = public
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        headers = dict(scope.get("headers") or [])
-        if self.key is not None and scope.get("path") not in self.public:
-            auth = headers.get(b"authorization", b"")
-            token = auth[7:].strip() if auth[:7].lower() == b"bearer " else b""
-            if not hmac.compare_digest(token, self.key):
-                err = APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                               code="invalid_api_key")
-                await err.response()(scope, receive, send)
-                return
-        try:
-            declared = int(headers.get(b"content-length", b"0") or 0)
-        except ValueError:
-            declared = 0
-        if declared > self.max_body:
-            await self._too_large().response()(scope, receive, send)
-            return
-        seen = 0
-
-        async def limited() -> dict[str, Any]:
-            nonlocal seen
-            msg = await receive()
-            if msg["type"] == "http.request":
-                seen += len(msg.get("body", b""))
-                if seen > self.max_body:  # chunked bodies carry no content-length
-                    raise HTTPException(413, self._too_large().message)
-            return msg
-        await self.app(scope, limited, send)
-
-    def _too_large(self) -> APIError:
-        return APIError(413, f"request body larger than {self.max_body} bytes", code="request_too_large")
 
 
 def create_app(engine: Engine, settings: ServerSettings | None = None, *, own_engine: bool = False) -> FastAPI:
@@ -105,9 +60,11 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, *, own_en
     app = FastAPI(title="loramux", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.lm = state
     install_handlers(app)
-    public = ("/health", "/metrics") if settings.public_metrics else ("/health",)
-    app.add_middleware(Guard, api_key=settings.api_key, max_body=settings.max_body_bytes, public=public)
     _routes(app, state)
+    public = ("/health", "/metrics") if settings.public_metrics else ("/health",)
+    app.add_middleware(Guard, api_key=settings.api_key, max_body=settings.max_body_bytes, public=public,
+                       admin_api_key=settings.admin_api_key, admin=admin_routes(app.routes),
+                       allowed_hosts=settings.host_allowlist())
     return app
 
 
@@ -129,17 +86,20 @@ def _routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+        snapshot = state.snapshot()  # on the loop: the adapter table is the loop's alone
+        body = await asyncio.to_thread(state.metrics.render, snapshot)  # rendering is the slow part
+        return Response(body, media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        n_ctx = state.engine.n_ctx
+    async def models(http: HTTPRequest) -> dict[str, Any]:
+        n_ctx, admin = state.engine.n_ctx, is_admin(http.scope)
+        model = state.engine.model.path
         data = [{"id": state.base_name, "object": "model", "created": state.started, "owned_by": "loramux",
-                 "root": state.engine.model.path.name, "parent": None, "max_model_len": n_ctx}]
+                 "root": str(model) if admin else model.name, "parent": None, "max_model_len": n_ctx}]
         adapters = state.engine.adapters
         for e in pool.ordered():
             data.append({"id": e.name, "object": "model", "created": e.created, "owned_by": "loramux",
-                         "root": e.display_source(), "parent": state.base_name, "max_model_len": n_ctx,
+                         "root": _source(e, admin), "parent": state.base_name, "max_model_len": n_ctx,
                          "lora_id": e.id, "scale": e.scale, "resident": e.resident, "pinned": e.pinned,
                          **bank_info(state.engine.bank, adapters.get(e.name))})
         return {"object": "list", "data": data}
@@ -189,17 +149,26 @@ def _adapter_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/unload_lora_adapter")
     async def unload_adapter(body: UnloadAdapterRequest) -> dict[str, Any]:
         e = await pool.unload(body.lora_name)
+        state.metrics.forget(e.name)  # a name that is gone leaves the label sets
         return {"message": f"Success: LoRA adapter '{e.name}' removed successfully.", "id": e.id, "name": e.name}
 
     @app.get("/lora-adapters")
-    async def list_adapters() -> list[dict[str, Any]]:
-        return [{"id": e.id, "name": e.name, "path": e.display_path(), "scale": e.global_scale,
-                 "default_scale": e.scale, "resident": e.resident, "pinned": e.pinned} for e in pool.ordered()]
+    async def list_adapters(http: HTTPRequest) -> list[dict[str, Any]]:
+        admin = is_admin(http.scope)
+        return [{"id": e.id, "name": e.name, "path": e.display_path(admin),
+                 "scale": e.global_scale, "default_scale": e.scale, "resident": e.resident, "pinned": e.pinned}
+                for e in pool.ordered()]
 
     @app.post("/lora-adapters")
     async def set_adapters(body: list[AdapterScale]) -> dict[str, Any]:
         pool.set_global_scales([(x.id, x.scale) for x in body])
         return {"success": True}
+
+
+def _source(e: Entry, admin: bool) -> str:
+    """An adapter's source as a caller may see it: never URL credentials or query strings; a local file's
+    directories only for the admin plane."""
+    return e.display_source(admin)
 
 
 async def _unless_client_leaves(http: HTTPRequest, cancel: CancelToken, work: Awaitable[T]) -> T | None:
@@ -257,7 +226,9 @@ class ServerThread:
         self.host = host
         self.sock = socket.create_server((host, port))
         self.port = int(self.sock.getsockname()[1])
-        config = uvicorn.Config(app, log_level=log_level, lifespan="on",
+        lm = getattr(getattr(app, "state", None), "lm", None)  # an app of create_app: its limits and timeouts
+        settings = lm.settings if isinstance(lm, ServerState) else ServerSettings()
+        config = uvicorn_config(app, settings, log_level=log_level, lifespan="on",
                                 timeout_graceful_shutdown=graceful_shutdown_s)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},

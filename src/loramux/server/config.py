@@ -8,7 +8,10 @@
     parallel = 8
     slots = 8                            # slot bank: requests on 8 different adapters share each decode
     n_ctx = 4096                         # tokens per sequence
-    api_key_env = "LORAMUX_API_KEY"      # read the key from this variable (or api_key = "...")
+    api_key_env = "LORAMUX_API_KEY"      # read the key from this variable (or api_key_file, api_key = "...")
+    admin_api_key_file = "/run/secrets/loramux-admin"   # enables load/unload/global scales (off without it)
+    allowed_hosts = ["llm.internal", "10.0.0.5"]         # Host headers accepted (default: loopback + host)
+    max_queue = 32                       # waiting beyond the `parallel` running ones (default max(64, 8 × parallel))
     adapter_dirs = ["/adapters"]         # runtime loads by path only from here
     allow_remote_adapters = false
     allow_private_networks = false       # remote loads may not reach loopback/link-local/private hosts
@@ -45,6 +48,9 @@ NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-:@+/]{0,127}$")
 NAME_RULE = "1-128 characters: letters, digits and . _ - : @ + /, starting with a letter or digit"
 #: Size cap of a remote load: LoRA adapters of the largest open models at rank 64 in F16 take 1-2 GiB.
 DEFAULT_MAX_ADAPTER_BYTES = 4 << 30
+KEY_RE = re.compile(r"^[\x21-\x7e]+$")  # what a client can send in 'Authorization: Bearer KEY'
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+KEY_SOURCES = {"api_key": "LORAMUX_API_KEY", "admin_api_key": "LORAMUX_ADMIN_API_KEY"}  # key -> env variable
 
 
 @dataclass(frozen=True)
@@ -83,6 +89,8 @@ class ServerSettings:
     slot_rank: int = 16
     deterministic: bool = False  # batch-invariant kernels: outputs do not depend on the batch
     api_key: str | None = field(default=None, repr=False)
+    admin_api_key: str | None = field(default=None, repr=False)  # None: no endpoint changes server state
+    allowed_hosts: tuple[str, ...] | None = None  # Host headers accepted; None: LOOPBACK_HOSTS + host
     public_metrics: bool = False  # /metrics without the API key (for scrapers such as the GIE endpoint picker)
     adapter_dirs: tuple[str, ...] = ()
     allow_remote_adapters: bool = False
@@ -90,6 +98,11 @@ class ServerSettings:
     max_adapter_bytes: int | None = DEFAULT_MAX_ADAPTER_BYTES  # size cap of a remote load; None: no cap
     max_loaded: int | None = None
     max_body_bytes: int = 1 << 20
+    max_queue: int | None = None  # requests waiting beyond the `parallel` running ones; None: max(64, 8 × parallel)
+    max_connections: int = 512  # open connections (uvicorn's limit_concurrency); more get 503
+    read_timeout_s: float = 15.0  # a request's headers and body must arrive within this
+    keep_alive_s: float = 5.0  # idle keep-alive connections are closed after this
+    write_timeout_s: float = 30.0  # a response write stalled this long (client not reading) drops the client
     loras: tuple[LoraEntry, ...] = ()
     control_vectors: tuple[ControlEntry, ...] = ()
     control_vector_layers: str | None = None
@@ -112,19 +125,17 @@ class ServerSettings:
     def from_dict(cls, data: dict[str, Any], origin: str = "settings") -> ServerSettings:
         data = dict(data)
         problems: list[str] = []
-        key_env = data.pop("api_key_env", None)
-        if key_env is not None and "api_key" not in data:
-            data["api_key"] = os.environ.get(str(key_env)) or None
-            if data["api_key"] is None:
-                problems.append(f"api_key_env: the variable {key_env} is not set or empty")
+        for key in KEY_SOURCES:
+            _key_from(data, key, problems)
         loras = tuple(_entries(data.pop("lora", []), LoraEntry, "lora", problems))
         cvs = tuple(_entries(data.pop("control_vector", []), ControlEntry, "control_vector", problems))
         known = {f.name for f in fields(cls)} - {"loras", "control_vectors"}
         for k in sorted(set(data) - known):
             problems.append(f"unknown key {k!r} (known: {', '.join(sorted(known | {'lora', 'control_vector'}))})")
         kwargs = {k: v for k, v in data.items() if k in known}
-        if "adapter_dirs" in kwargs:
-            kwargs["adapter_dirs"] = tuple(str(d) for d in kwargs["adapter_dirs"])
+        for k in ("adapter_dirs", "allowed_hosts"):
+            if isinstance(kwargs.get(k), list):
+                kwargs[k] = tuple(str(d) for d in kwargs[k])
         if problems:
             raise ParameterError(origin, "invalid server settings:\n  - " + "\n  - ".join(problems))
         return cls(loras=loras, control_vectors=cvs, **kwargs).validated()
@@ -149,8 +160,7 @@ class ServerSettings:
             problems.append(f"max_adapter_bytes: must be a positive number of bytes, got {self.max_adapter_bytes!r}")
         if self.threads is not None and self.threads < 1:
             problems.append(f"threads: must be ≥ 1, got {self.threads}")
-        if self.api_key is not None and not self.api_key.strip():
-            problems.append("api_key: must not be empty")
+        problems += self._security_problems()
         for d in self.adapter_dirs:
             if not Path(d).expanduser().is_dir():
                 problems.append(f"adapter_dirs: {d} is not a directory")
@@ -166,6 +176,42 @@ class ServerSettings:
         if problems:
             raise ParameterError("settings", "invalid server settings:\n  - " + "\n  - ".join(problems))
         return self
+
+    def _security_problems(self) -> list[str]:
+        problems = []
+        for name in KEY_SOURCES:
+            key = getattr(self, name)
+            if key is not None and not KEY_RE.match(key):
+                problems.append(f"{name}: must be non-empty printable ASCII without spaces (it is sent as "
+                                "'Authorization: Bearer KEY')")
+        if self.api_key is not None and self.api_key == self.admin_api_key:
+            problems.append("admin_api_key: must differ from api_key (the admin key may change what the server "
+                            "serves; the API key only uses it)")
+        for h in self.allowed_hosts or ():
+            if not h or any(c.isspace() for c in h) or "/" in h:
+                problems.append(f"allowed_hosts: {h!r} is not a host name, address or '*'")
+        if self.max_queue is not None and (not isinstance(self.max_queue, int) or self.max_queue < 0):
+            problems.append(f"max_queue: must be an integer ≥ 0, got {self.max_queue!r}")
+        if not isinstance(self.max_connections, int) or self.max_connections < 1:
+            problems.append(f"max_connections: must be a positive integer, got {self.max_connections!r}")
+        for name in ("read_timeout_s", "keep_alive_s", "write_timeout_s"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not 0 < v < 1e6:
+                problems.append(f"{name}: must be a positive number of seconds, got {v!r}")
+        return problems
+
+    def queue_limit(self, parallel: int | None = None) -> int:
+        """Requests accepted at once (running + waiting): parallel + max_queue, max_queue by default
+        max(64, 8 × parallel): room for a burst of clients (an eval harness's 32 concurrent requests) while
+        the server stays bounded. `parallel`: the engine's, when it was built apart from these settings."""
+        p = self.parallel if parallel is None else parallel
+        return p + (max(64, 8 * p) if self.max_queue is None else self.max_queue)
+
+    def host_allowlist(self) -> tuple[str, ...]:
+        """Host names (optionally name:port) a request's Host header may carry; '*' accepts any."""
+        if self.allowed_hosts is not None:
+            return self.allowed_hosts
+        return tuple(dict.fromkeys((*LOOPBACK_HOSTS, self.host)))
 
     # ------------------------------------------------------------------ engine
     def engine_options(self) -> EngineOptions:
@@ -184,6 +230,36 @@ class ServerSettings:
             eng.close()
             raise
         return eng
+
+
+def read_key_file(path: str | os.PathLike[str], option: str) -> str:
+    """A key kept in a file (a mounted secret): its text without the trailing newline."""
+    p = Path(path).expanduser()
+    try:
+        key = p.read_text(encoding="utf-8").strip()
+    except OSError as e:
+        raise ParameterError(option, f"cannot read the key file {p}: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise ParameterError(option, f"the key file {p} is not UTF-8 text") from None
+    if not key:
+        raise ParameterError(option, f"the key file {p} is empty")
+    return key
+
+
+def _key_from(data: dict[str, Any], key: str, problems: list[str]) -> None:
+    """`KEY_env = "VAR"` or `KEY_file = "PATH"` in a config file, unless the key itself is given."""
+    env, path = data.pop(f"{key}_env", None), data.pop(f"{key}_file", None)
+    if key in data:
+        return
+    if path is not None:
+        try:
+            data[key] = read_key_file(str(path), f"{key}_file")
+        except ParameterError as e:
+            problems.append(e.message)
+    elif env is not None:
+        data[key] = os.environ.get(str(env), "").strip() or None
+        if data[key] is None:
+            problems.append(f"{key}_env: the variable {env} is not set or empty")
 
 
 def _entries(raw: Any, cls: type, key: str, problems: list[str]) -> list[Any]:
@@ -207,4 +283,5 @@ def _entries(raw: Any, cls: type, key: str, problems: list[str]) -> list[Any]:
     return out
 
 
-__all__ = ["ControlEntry", "LoraEntry", "ServerSettings", "NAME_RE"]
+__all__ = ["KEY_SOURCES", "LOOPBACK_HOSTS", "ControlEntry", "LoraEntry", "NAME_RE", "ServerSettings",
+           "read_key_file"]

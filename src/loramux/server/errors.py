@@ -31,7 +31,8 @@ log = logging.getLogger("loramux.server")
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "not_found_error", 405: "invalid_request_error", 409: "invalid_request_error",
-          413: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
+          413: "invalid_request_error", 415: "invalid_request_error", 421: "invalid_request_error",
+          422: "invalid_request_error", 429: "rate_limit_error",
           502: "server_error", 503: "server_error"}
 
 
@@ -39,20 +40,22 @@ class APIError(Exception):
     """An error with an HTTP status and OpenAI's error fields."""
 
     def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None,
-                 type: str | None = None) -> None:  # noqa: A002 - OpenAI's field name
+                 type: str | None = None,  # noqa: A002 - OpenAI's field name
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.code = code
         self.param = param
         self.type = type or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+        self.headers = dict(headers or {})
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else {}
+        return JSONResponse(self.body(), status_code=self.status, headers={**headers, **self.headers})
 
 
 def model_not_found(name: str, known: list[str]) -> APIError:

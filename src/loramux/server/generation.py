@@ -18,11 +18,11 @@ from typing import Any
 
 from fastapi import Request as HTTPRequest
 
-from ..errors import ContextLengthError
+from ..engine.sampling import StopMatcher
 from .errors import APIError, from_exception
 from .pool import Entry
 from .schemas import ChatRequest, CompletionRequest, SamplingFields
-from .state import ServerState
+from .state import ServerState, Ticket
 
 
 @dataclass
@@ -36,6 +36,7 @@ class Job:
     prompt: list[int]
     entries: list[Entry]
     started: float
+    ticket: Ticket | None = None  # its place in the server's bounded queue, released when it finishes
     queue: asyncio.Queue[tuple[str, Any]] = field(default_factory=asyncio.Queue)
     request: Any = None  # scheduler.Request once submitted
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
@@ -49,6 +50,8 @@ class Job:
         self.closed = True
         if self.request is not None and completion is None:
             self.request.cancelled.set()  # nobody reads it any more: free its sequence
+        if self.ticket is not None:
+            self.ticket.release()
         self.state.pool.release(self.entries)
         if record:
             self.state.record(self.model, status, started=self.started,
@@ -60,14 +63,17 @@ class Job:
 def sampling_args(body: SamplingFields, n_prompt: int, n_ctx: int, chat: bool) -> dict[str, Any]:
     """Engine sampling settings for a request, with OpenAI's defaults and our bounds."""
     if n_prompt >= n_ctx:
-        raise ContextLengthError(n_prompt, n_ctx)
+        raise APIError(400, f"this model's context holds {n_ctx} tokens per request, and the prompt alone has "
+                            f"{n_prompt}: shorten the prompt", code="context_length_exceeded",
+                       param="messages" if chat else "prompt")
+    limit_name = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
     max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
     if max_tokens is None:
         max_tokens = n_ctx - n_prompt if chat else 16
     if n_prompt + max_tokens > n_ctx:
         raise APIError(400, f"this model's context holds {n_ctx} tokens per request; the prompt has {n_prompt} "
-                            f"and max_tokens asks for {max_tokens} more: lower max_tokens or shorten the prompt",
-                       code="context_length_exceeded", param="max_tokens")
+                            f"and {limit_name} asks for {max_tokens} more: lower {limit_name} or shorten the "
+                            "prompt", code="context_length_exceeded", param=limit_name)
     temperature = 1.0 if body.temperature is None else body.temperature
     seed = body.seed if body.seed is not None else secrets.randbits(32)
     seed &= 0xFFFFFFFF
@@ -106,16 +112,28 @@ async def prompt_tokens(state: ServerState, body: CompletionRequest | ChatReques
 
 
 async def start(state: ServerState, body: CompletionRequest | ChatRequest, chat: bool) -> Job:
-    """Check the request, resolve its adapters, and hand it to the engine."""
+    """Check the request, take its place in the bounded queue, resolve its adapters, hand it to the engine."""
     bad = body.unsupported()
     if bad:
         raise APIError(400, "; ".join(f"{p}: {why}" for p, why in bad), code="unsupported_parameter",
                        param=bad[0][0])
+    ticket = state.admit()  # 429 when the queue is full
+    try:
+        job = await _submit(state, body, chat, ticket)
+    except BaseException:
+        ticket.release()
+        raise
+    return job
+
+
+async def _submit(state: ServerState, body: CompletionRequest | ChatRequest, chat: bool, ticket: Ticket) -> Job:
     started = time.monotonic()
     loras = state.pool.requested_set(body.model, body.lora)
     control = await state.control_setting(body.control_vector)
     tokens = await prompt_tokens(state, body)
     sampling = sampling_args(body, len(tokens), state.engine.n_ctx, chat)
+    if sampling["stop"]:
+        await asyncio.to_thread(StopMatcher.prepare, sampling["stop"])  # not on the engine thread
     model = body.model or state.base_name
     loop = asyncio.get_running_loop()
     for _ in range(8):  # another request's reload may evict ours between the two steps: try again
@@ -127,7 +145,7 @@ async def start(state: ServerState, body: CompletionRequest | ChatRequest, chat:
         raise APIError(503, "the requested adapters keep being evicted by other requests' adapters "
                             "(max_loaded too small for this traffic); retry or raise --max-loaded",
                        code="adapter_capacity")
-    job = Job(state, model, chat, body, tokens, entries, started)
+    job = Job(state, model, chat, body, tokens, entries, started, ticket)
 
     streaming = bool(getattr(body, "stream", False))
 

@@ -17,6 +17,7 @@ protocol, so its reference endpoint picker (tuned to vLLM) works unchanged:
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -33,12 +34,13 @@ class _LiveCollector:
 
     def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
         self.snapshot = snapshot
+        self.taken: dict[str, Any] | None = None  # a snapshot taken by the caller of Metrics.render
 
     def describe(self) -> list[Metric]:
         return []  # live values: nothing to check for name clashes at registration
 
     def collect(self) -> Iterator[Metric]:
-        s = self.snapshot()
+        s = self.taken if self.taken is not None else self.snapshot()
         kv = s["kv_used"] / s["kv_total"] if s["kv_total"] else 0.0
         for name, doc, value in (
             ("vllm:num_requests_waiting", "Requests waiting for a sequence slot.", s["waiting"]),
@@ -50,6 +52,8 @@ class _LiveCollector:
             ("loramux_kv_cache_usage_ratio", "Fraction of KV cells used by running sequences (0..1).", kv),
             ("loramux_resident_adapters", "Adapters loaded in memory.", len(s["resident"])),
             ("loramux_known_adapters", "Adapters the server can serve (resident or evicted).", s["known"]),
+            ("loramux_requests_in_flight", "Generation requests accepted and not finished (at most "
+             "--parallel + --max-queue; more get 429).", s.get("in_flight", 0)),
         ):
             yield GaugeMetricFamily(name, doc, value=value)
         info = GaugeMetricFamily("vllm:lora_requests_info", "Adapter state; value: time of this update.",
@@ -97,10 +101,36 @@ class Metrics:
                               ["model"], buckets=LATENCY_BUCKETS, registry=r)
         self.queue_time = Histogram("loramux_request_queue_time_seconds", "Arrival to admission "
                                     "(submitted to the engine).", ["model"], buckets=LATENCY_BUCKETS, registry=r)
-        r.register(_LiveCollector(snapshot))
+        self._live = _LiveCollector(snapshot)
+        r.register(self._live)
+        self._render_lock = threading.Lock()
+        # every labelled metric, with its label names; the first one is the model or adapter name
+        self._labelled: list[tuple[Any, tuple[str, ...]]] = [
+            (self.requests, ("model", "status")), (self.adapter_requests, ("adapter",)),
+            *((m, ("model",)) for m in (self.prompt_tokens, self.generation_tokens, self.e2e, self.ttft,
+                                        self.queue_time))]
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, snapshot: dict[str, Any] | None = None) -> bytes:
+        """The Prometheus text. Safe from any thread when given a snapshot taken where the adapter table
+        lives (the event loop): the server renders in a worker thread so scrapes never stall requests."""
+        with self._render_lock:
+            self._live.taken = snapshot
+            try:
+                return generate_latest(self.registry)
+            finally:
+                self._live.taken = None
+
+    def forget(self, name: str) -> None:
+        """Remove every series labelled with this model or adapter name (an adapter that was unloaded), so
+        label sets hold only names that are served."""
+        for metric, labels in self._labelled:
+            keys = {tuple(s.labels[k] for k in labels) for family in metric.collect() for s in family.samples
+                    if s.labels.get(labels[0]) == name}
+            for key in keys:
+                try:
+                    metric.remove(*key)
+                except KeyError:  # removed meanwhile
+                    pass
 
 
 __all__ = ["CONTENT_TYPE", "Metrics"]

@@ -12,7 +12,17 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-MAX_STOP = 16
+# Input limits (docs/server.md, "Security"); each violation is a 400 naming the parameter.
+MAX_STOP = 16  # stop strings per request
+MAX_STOP_CHARS = 256  # characters per stop string
+MAX_MESSAGES = 1024  # chat messages per request
+MAX_CONTENT_PARTS = 256  # content parts per message
+MAX_CONTENT_CHARS = 1 << 18  # characters of one message's text (262,144)
+MAX_PROMPT_CHARS = 1 << 20  # characters of a string prompt (1,048,576)
+MAX_LORA_REFS = 32  # entries of a per-request `lora` list
+MAX_NAME_CHARS = 1024  # characters of a `model` or control vector name
+MAX_STRENGTH = 1000.0  # |control_vector.strength|
+MAX_INT32 = 2**31 - 1  # what llama.cpp's sampler takes for top_k
 
 
 class _Body(BaseModel):
@@ -22,7 +32,7 @@ class _Body(BaseModel):
 class LoraRef(_Body):
     """One entry of a per-request `lora` list: an adapter by name or by /lora-adapters id."""
 
-    name: str | None = None
+    name: str | None = Field(default=None, max_length=MAX_NAME_CHARS)
     id: int | None = None
     scale: float | None = None
 
@@ -36,8 +46,8 @@ class LoraRef(_Body):
 class ControlRef(_Body):
     """A control vector loaded at start (`--control-vector NAME=FILE`), with a strength."""
 
-    name: str
-    strength: float = 1.0
+    name: str = Field(max_length=MAX_NAME_CHARS)
+    strength: float = Field(default=1.0, ge=-MAX_STRENGTH, le=MAX_STRENGTH)
 
 
 class StreamOptions(_Body):
@@ -47,11 +57,11 @@ class StreamOptions(_Body):
 class SamplingFields(_Body):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    model: str | None = None
+    model: str | None = Field(default=None, max_length=MAX_NAME_CHARS)
     max_tokens: int | None = Field(default=None, ge=0)
     temperature: float | None = Field(default=None, ge=0.0, le=100.0)
     top_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=0)
+    top_k: int | None = Field(default=None, ge=0, le=MAX_INT32)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     repeat_penalty: float | None = Field(default=None, gt=0.0, le=100.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
@@ -65,7 +75,7 @@ class SamplingFields(_Body):
     user: str | None = None
     ignore_eos: bool = False
     return_token_ids: bool = False
-    lora: list[LoraRef] | None = None
+    lora: list[LoraRef] | None = Field(default=None, max_length=MAX_LORA_REFS)
     control_vector: ControlRef | None = None
 
     @field_validator("stop")
@@ -73,9 +83,12 @@ class SamplingFields(_Body):
     def _stops(cls, v: str | list[str] | None) -> str | list[str] | None:
         items = [v] if isinstance(v, str) else (v or [])
         if len(items) > MAX_STOP:
-            raise ValueError(f"at most {MAX_STOP} stop strings")
+            raise ValueError(f"at most {MAX_STOP} stop strings, got {len(items)}")
         if any(not s for s in items):
             raise ValueError("stop strings must be non-empty")
+        if any(len(s) > MAX_STOP_CHARS for s in items):
+            raise ValueError(f"stop strings may have at most {MAX_STOP_CHARS} characters each, got "
+                             f"{max(len(s) for s in items)}")
         return v
 
     def unsupported(self) -> list[tuple[str, str]]:
@@ -96,6 +109,15 @@ class CompletionRequest(SamplingFields):
 
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_size(cls, v: Any) -> Any:
+        texts = [v] if isinstance(v, str) else [p for p in v if isinstance(p, str)]
+        if any(len(t) > MAX_PROMPT_CHARS for t in texts):
+            raise ValueError(f"a prompt may have at most {MAX_PROMPT_CHARS} characters")
+        return v
+
     logprobs: int | None = None
     best_of: int | None = None
     suffix: str | None = None
@@ -134,6 +156,16 @@ class ChatMessage(_Body):
     content: str | list[TextPart] | None = None
     name: str | None = None
 
+    @field_validator("content")
+    @classmethod
+    def _size(cls, v: str | list[TextPart] | None) -> str | list[TextPart] | None:
+        if isinstance(v, list) and len(v) > MAX_CONTENT_PARTS:
+            raise ValueError(f"at most {MAX_CONTENT_PARTS} content parts per message, got {len(v)}")
+        n = len(v) if isinstance(v, str) else sum(len(p.text or "") for p in v or ())
+        if n > MAX_CONTENT_CHARS:
+            raise ValueError(f"a message may have at most {MAX_CONTENT_CHARS} characters of text, got {n}")
+        return v
+
     def text(self) -> str:
         if self.content is None:
             return ""
@@ -148,7 +180,7 @@ class ChatMessage(_Body):
 class ChatRequest(SamplingFields):
     """POST /v1/chat/completions."""
 
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(default=None, ge=0)
     logprobs: bool | None = None
     top_logprobs: int | None = None
@@ -196,5 +228,7 @@ class AdapterScale(_Body):
     scale: float = 0.0
 
 
-__all__ = ["AdapterScale", "ChatMessage", "ChatRequest", "CompletionRequest", "ControlRef",
+__all__ = ["MAX_CONTENT_CHARS", "MAX_CONTENT_PARTS", "MAX_LORA_REFS", "MAX_MESSAGES", "MAX_NAME_CHARS",
+           "MAX_PROMPT_CHARS", "MAX_STOP", "MAX_STOP_CHARS", "MAX_STRENGTH", "AdapterScale", "ChatMessage",
+           "ChatRequest", "CompletionRequest", "ControlRef",
            "LoadAdapterRequest", "LoraRef", "SamplingFields", "StreamOptions", "UnloadAdapterRequest"]

@@ -17,6 +17,20 @@ from .schemas import ControlRef
 
 UNKNOWN = "_unknown_"  # metrics label for model names that are not served (keeps label sets bounded)
 CONTROL_CACHE = 64
+RETRY_AFTER = "1"  # seconds, in a 429's Retry-After (the openai client waits that long before its retry)
+
+
+class Ticket:
+    """One accepted request's place among the `queue_limit` the server takes at once; released once."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+        self.held = True
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self.state.in_flight -= 1
 
 
 class ServerState:
@@ -31,6 +45,20 @@ class ServerState:
         self.metrics = Metrics(self.snapshot)
         self.controls = _load_controls(settings)
         self._control_cache: OrderedDict[tuple[str, float], ControlSetting] = OrderedDict()
+        self.in_flight = 0  # generation requests accepted and not finished (event loop only)
+
+    # -- admission ----------------------------------------------------------------------------
+    def admit(self) -> Ticket:
+        """Accept one more generation request, or refuse it with 429 when `queue_limit` are in flight
+        (running or waiting): the queue is bounded here, before any tokenizing or engine work."""
+        parallel = self.engine.n_parallel
+        limit = self.settings.queue_limit(parallel)
+        if self.in_flight >= limit:
+            raise APIError(429, f"the server is busy: {limit} requests are in flight (--parallel {parallel} "
+                                f"running, --max-queue {limit - parallel} waiting); retry shortly",
+                           code="queue_full", headers={"Retry-After": RETRY_AFTER})
+        self.in_flight += 1
+        return Ticket(self)
 
     # -- metrics ------------------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:
@@ -39,7 +67,7 @@ class ServerState:
         waiting = set(s["waiting_adapters"]) - set(resident)
         s.update(resident=resident, known=len(self.pool.entries), waiting_not_resident=sorted(waiting),
                  max_lora=self.settings.max_loaded or max(1, len(resident)), evictions=self.pool.evictions,
-                 loads=dict(self.pool.loads))
+                 loads=dict(self.pool.loads), in_flight=self.in_flight)
         return s
 
     def label(self, model: str | None) -> str:
@@ -91,4 +119,4 @@ def _load_controls(settings: ServerSettings) -> dict[str, tuple[ControlVector, t
     return out
 
 
-__all__ = ["CONTROL_CACHE", "UNKNOWN", "ServerState"]
+__all__ = ["CONTROL_CACHE", "RETRY_AFTER", "UNKNOWN", "ServerState", "Ticket"]
