@@ -274,12 +274,27 @@ def _read_array(cur: _Cursor, key: str, etype: int, n: int, keep: bool) -> list[
         cur.fail(f"{key}: array count", f"{n} elements of {width}+ bytes is implausible: at most "
                                         f"{max(cur.room(), 0) // width} fit in the rest of the file (corrupt header)")
     if etype == VALUE_STRING:
-        items = [cur.string(f"{key}[{j}] length", keep=keep) for j in range(n)]
-        return items if keep else None
+        return _read_strings(cur, key, n, keep)
     if not keep:
         cur.skip(n * width, key)
         return None
     return np.frombuffer(cur.take(n * width, key), dtype=np.dtype(VALUE_FORMATS[etype])).tolist()
+
+
+def _read_strings(cur: _Cursor, key: str, n: int, keep: bool) -> list[str] | None:
+    """A string array; the loop is inlined (vocabularies have 10^5 entries), with cur.string's checks."""
+    items: list[str] = []
+    end = min(cur.size, cur.limit)
+    for j in range(n):
+        ln = cur.u64(key)
+        if ln > MAX_STRING or cur.pos + ln > end:
+            cur.fail(f"{key}[{j}] length", f"{ln} bytes is implausible: at most {min(MAX_STRING, max(end - cur.pos, 0))} "
+                                           "can follow here (corrupt header)")
+        if keep:
+            items.append(cur.take(ln, key).decode("utf-8", errors="replace"))
+        else:
+            cur.pos += ln  # checked just above against the file and the limit
+    return items if keep else None
 
 
 def _alignment(cur: _Cursor, h: GGUFHeader) -> int:
