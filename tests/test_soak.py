@@ -24,6 +24,8 @@ from loramux.server import LoraEntry, ServerSettings, create_app, serve_in_threa
 
 WORDS = ["the", "cat", "sat", "on", "mat", "dog", "ran", "hello", "world", "big", "red", "is", "and", "a"]
 ADAPTERS = ["a1", "a2", "a3"]
+ADMIN_KEY = "soak-admin-key"  # load and unload are on the admin plane
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 STABLE = ("tiny", *ADAPTERS)  # served names never unloaded ("hot" comes and goes)
 WARM, MORE = 120, 480  # requests before the memory baseline, and after it
 
@@ -138,10 +140,11 @@ class Soak:
 
     async def admin(self, c: httpx.AsyncClient) -> None:
         if self.rng.random() < 0.5:
-            r = await c.post("/v1/load_lora_adapter", json={"lora_name": "hot", "lora_path": "hot.gguf"})
+            r = await c.post("/v1/load_lora_adapter", json={"lora_name": "hot", "lora_path": "hot.gguf"},
+                             headers=ADMIN)
             ok = r.status_code == 200 or (r.status_code == 400 and r.json()["error"]["code"] == "adapter_exists")
         else:
-            r = await c.post("/v1/unload_lora_adapter", json={"lora_name": "hot"})
+            r = await c.post("/v1/unload_lora_adapter", json={"lora_name": "hot"}, headers=ADMIN)
             ok = r.status_code in (200, 404)
         self.note("admin", ok, f"{r.status_code} {r.text[:200]}")
 
@@ -175,11 +178,13 @@ def test_soak(tiny_model: Path, soak_dir: Path) -> None:
         eng.load_lora(e.source, e.name)
     # a3 and hot are loaded at runtime, unpinned: with max_loaded=3 they evict each other (LRU) and
     # come back on demand while requests use them
-    app = create_app(eng, ServerSettings(loras=entries, adapter_dirs=(str(soak_dir),), max_loaded=3),
+    app = create_app(eng, ServerSettings(loras=entries, adapter_dirs=(str(soak_dir),), max_loaded=3,
+                                         admin_api_key=ADMIN_KEY),
                      own_engine=True)
     proc = psutil.Process()
     with serve_in_thread(app) as srv:
-        r = httpx.post(srv.url + "/v1/load_lora_adapter", json={"lora_name": "a3", "lora_path": "a3.gguf"})
+        r = httpx.post(srv.url + "/v1/load_lora_adapter", json={"lora_name": "a3", "lora_path": "a3.gguf"},
+                       headers=ADMIN)
         assert r.status_code == 200, r.text
         soak = Soak(srv.url, seed=1234)
         asyncio.run(soak.run(WARM, 12))
