@@ -200,8 +200,9 @@ class SlotBank:
 
         Banked when every adapter fits a slot and there are at most K of them: then every slot is
         taken (written now if needed) or none is, and None means "wait, the slots are busy".
-        Otherwise an unbanked Admission with the reason. A failed slot write raises (AdapterError
-        naming the adapter); the slots taken so far are given back and the failed slot is left empty.
+        Otherwise an unbanked Admission with the reason. A failed slot write raises (AdapterError when
+        the factors do not fit, BackendError when writing failed; both name the adapter); the slots
+        taken so far are given back and the failed slot is left empty.
         """
         uniq: dict[int, LoRAAdapter] = {a.uid: a for s in sets for a, _ in s.items}
         if len(uniq) > self.K:
