@@ -134,6 +134,7 @@ def test_admin_key_is_separate_from_the_api_key(tiny_model, adir):
         assert state.pool.entries["x"].pinned
         c = openai.OpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0)
         assert c.completions.create(model="x", prompt=PROMPT, max_tokens=2).usage.completion_tokens >= 1
+        assert httpx.get(srv.url + "/v1/models", headers=ADMIN_AUTH).status_code == 200  # admin ⊇ inference
         with pytest.raises(openai.PermissionDeniedError):
             c.post("/unload_lora_adapter", body={"lora_name": "x"}, cast_to=object)
         assert httpx.post(srv.url + "/lora-adapters", json=[{"id": 0, "scale": 0.5}],
