@@ -114,9 +114,13 @@ def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return {**ordered[(len(ordered) - 1) // 2], "all_tok_s": [r["tok_s"] for r in runs]}
 
 
+ADMIN_KEY = "bench-admin"  # the servers run on 127.0.0.1 for the length of the benchmark
+
+
 def hot_load(srv: Server, path: str) -> float:
     t0 = time.perf_counter()
-    r = httpx.post(srv.url + "/v1/load_lora_adapter", json={"lora_name": "hot", "lora_path": path}, timeout=120)
+    r = httpx.post(srv.url + "/v1/load_lora_adapter", json={"lora_name": "hot", "lora_path": path}, timeout=120,
+                   headers={"Authorization": f"Bearer {ADMIN_KEY}"})  # loading is on the admin plane
     r.raise_for_status()
     return time.perf_counter() - t0
 
@@ -143,6 +147,7 @@ def main() -> None:
     print_machine(info)
     common = ["--n-ctx", "512", "--threads", str(args.threads), "--parallel", str(args.parallel)]
     lm_argv = [sys.executable, "-m", "loramux", "serve", str(model), *common, "--adapter-dir", str(work),
+               "--admin-api-key", ADMIN_KEY,
                *[x for k, a in enumerate(adapters) for x in ("--lora", f"a{k}={a}")]]
     systems: list[tuple[str, list[str], str]] = []
     if not args.no_llama_server:
