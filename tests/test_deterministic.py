@@ -40,7 +40,7 @@ def _adapters(model_path: Path, tmp: Path, n: int = 3, rank: int = 8, scale: flo
 
 def _run(model: Path, det: bool, slots: int, adapters: list[str], python: str = sys.executable) -> dict:
     r = subprocess.run([python, str(WORKER), str(model), "1" if det else "0", str(slots), *adapters],
-                       capture_output=True, text=True, timeout=900)
+                       capture_output=True, text=True, timeout=540)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
 

@@ -261,7 +261,9 @@ def test_concurrent_generations_from_threads(tiny_model, tiny_dir):
             out[i] = eng.generate(PROMPT, max_tokens=12, loras=sets[i]).tokens
         ts = [threading.Thread(target=run, args=(i,)) for i in range(len(sets))]
         [t.start() for t in ts]
-        [t.join() for t in ts]
+        for th in ts:
+            th.join(timeout=300)
+        assert not any(th.is_alive() for th in ts), "a generate() did not return"
         # same-set requests are batched together; the tiny F32 model is batch-invariant enough here
         assert all(o is not None for o in out)
         assert sum(o == s for o, s in zip(out, solo)) >= len(sets) // 2

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import shutil
 import signal
 import subprocess
@@ -346,9 +347,9 @@ def test_lru_max_loaded_evicts_and_reloads(tiny_model, adir):
 
 
 def test_control_vector_by_name(tiny_model, adir, tmp_path):
-    control = pytest.importorskip("loramux.engine.control")
     import numpy as np
 
+    import loramux.engine.control as control
     from loramux.gguf_io import write_control_vector
 
     rng = np.random.default_rng(0)
@@ -442,17 +443,26 @@ def test_cli_serve_subprocess_and_sigterm(tiny_model, adir, tmp_path):
                              "--served-model-name", "base"], stderr=subprocess.PIPE, text=True, env=env)
     try:
         port, lines = None, []
+        fresh: queue.Queue[str | None] = queue.Queue()
+
+        def pump() -> None:  # keeps the pipe drained; readline never blocks the test itself
+            for ln in proc.stderr:
+                fresh.put(ln)
+            fresh.put(None)
+        drain = threading.Thread(target=pump, daemon=True)
+        drain.start()
         deadline = time.monotonic() + 120
         while port is None and time.monotonic() < deadline:
-            line = proc.stderr.readline()
-            if not line:
+            try:
+                line = fresh.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            if line is None:
                 break
             lines.append(line)
             if "Uvicorn running on http://127.0.0.1:" in line:
                 port = int(line.split("127.0.0.1:")[1].split()[0])
         assert port, "".join(lines)
-        drain = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)  # keep the pipe drained
-        drain.start()
         url = f"http://127.0.0.1:{port}"
         assert httpx.get(url + "/health").json() == {"status": "ok"}
         models = httpx.get(url + "/v1/models", headers={"Authorization": "Bearer k"}).json()["data"]
@@ -460,12 +470,16 @@ def test_cli_serve_subprocess_and_sigterm(tiny_model, adir, tmp_path):
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal after a clean stop
         drain.join(10)
+        while not fresh.empty():
+            line = fresh.get_nowait()
+            if line is not None:
+                lines.append(line)
         log = "".join(lines)
         assert "Application shutdown complete" in log and "engine closed" in log, log
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.wait()
+            proc.wait(timeout=30)
 
 
 def test_settings_from_toml_reports_every_problem(tmp_path):
@@ -541,7 +555,7 @@ def _run_mixed(srv: object, eng: lm.Engine, jobs: list[tuple[str, str, int]], ch
             out = []
             for m, p, n, f in items:
                 try:
-                    out.append((m, p, n, f.result()))
+                    out.append((m, p, n, f.result(timeout=300)))
                 except Exception as e:  # noqa: BLE001 - checked by the caller
                     out.append((m, p, n, e))
             return out
