@@ -31,6 +31,8 @@ def main() -> int:
     ap.add_argument("--cases", type=int, default=10000)
     ap.add_argument("--seed", type=int, default=None, help="hypothesis seed (default: random)")
     ap.add_argument("--keep", type=Path, default=None, help="folder for failing cases")
+    ap.add_argument("--keep-outcome", action="append", default=[],
+                    help="also keep cases with this outcome, e.g. 'refused by load' (repeatable)")
     args = ap.parse_args()
     if args.keep:
         os.environ["LORAMUX_FUZZ_KEEP"] = str(args.keep)
@@ -50,6 +52,7 @@ def main() -> int:
         eng = lm.Engine.load(base, n_ctx=256, n_threads=2)
         worker = gf.Worker(base, log=d / "worker.log")
         fz = gf.Fuzzer(eng, worker, d, prompt)
+        fz.keep_outcomes = set(args.keep_outcome)
         outcomes: Counter[str] = Counter()
         details: Counter[str] = Counter()
         failures: list[str] = []

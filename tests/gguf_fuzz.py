@@ -400,17 +400,17 @@ def apply_bytes(data: bytes, spans: list[tuple[int, int, str]], m: tuple[Any, ..
     kind = m[0]
     header_end = max((o + w for o, w, _ in spans), default=len(data))
     if kind in ("field", "field_add") and spans:
-        off, width, _ = spans[(m[1] * 2654435761) % len(spans)]  # small draws spread over every field
+        off, width, _ = spans[((m[1] + 1) * 2654435761) % len(spans)]  # small draws spread over every field
         if off + width > len(data):
             return data
         old = int.from_bytes(data[off:off + width], "little")
         new = m[2] if kind == "field" else old + m[2]
         return data[:off] + (new % (1 << (8 * width))).to_bytes(width, "little") + data[off + width:]
-    # positions start after the magic: hypothesis favours 0.0, and a bad magic is one case, not many
+    # positions start after magic and version: hypothesis favours 0.0, and each has its own mutation
     if kind == "truncate":
-        return data[:4 + int(m[1] * (len(data) - 4))]
+        return data[:8 + int(m[1] * (len(data) - 8))]
     limit = header_end if m[-1] else len(data)  # header-only, or anywhere
-    at = min(4 + int(m[1] * (limit - 4)), max(len(data) - 1, 0))
+    at = min(8 + int(m[1] * (limit - 8)), max(len(data) - 1, 0))
     if kind == "flip" and data:
         return data[:at] + bytes([data[at] ^ (m[2] or 0x80)]) + data[at + 1:]
     if kind == "insert":
@@ -476,6 +476,7 @@ class Fuzzer:
         self.arch, self.shapes = engine.model.architecture, engine.model.tensor_shapes
         self.before = np.array(engine.logits(prompt), copy=True)
         self.n = 0
+        self.keep_outcomes: set[str] = set()  # also keep cases with these outcomes (e.g. "refused by load")
 
     def run(self, data: bytes, name: str) -> Result:
         """Write the case, pre-validate it, load it in the child if it passed, then through the engine."""
@@ -483,6 +484,10 @@ class Fuzzer:
         path = self.workdir / "case.gguf"
         path.write_bytes(data)
         res = self._run(path)
+        if res.outcome in self.keep_outcomes:
+            KEEP.mkdir(parents=True, exist_ok=True)
+            slug = res.outcome.replace(" ", "-").replace(",", "")
+            (KEEP / f"{slug}-{hashlib.sha256(data).hexdigest()[:16]}.gguf").write_bytes(data)
         if res.failure:
             KEEP.mkdir(parents=True, exist_ok=True)
             keep = KEEP / f"failing-{hashlib.sha256(data).hexdigest()[:16]}.gguf"

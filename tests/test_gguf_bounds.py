@@ -218,6 +218,7 @@ ADAPTER_CASES = {
     "invocation strings": (("invocation", 8, [1, 2]), "adapter.alora.invocation_tokens", "UINT32"),
     "invocation too long": (("invocation", 4, [1] * 5000), "adapter.alora.invocation_tokens", "at most 4096"),
     "rank 0": (("shape", 0, 1, 0, True), "tensor blk.0.attn_q.weight.lora_a: shape", "rank"),
+    "A and B of two types": (("ttype", 1, 30, True), "tensor blk.0.attn_q.weight.lora_b: type", "one type"),
 }
 
 

@@ -240,6 +240,9 @@ def _pair_problems(base: str, a: TensorInfo, b: TensorInfo,
         if len(t.shape) != 2:
             out.append((f"tensor {t.name}: shape", f"{t.name} has shape {t.shape}; factors are 2-D"))
             return out
+    if a.ggml_type != b.ggml_type and not out:  # llama.cpp takes it; in-place access needs one type per pair
+        out.append((f"tensor {b.name}: type", f"{base}: lora_a is {FLOAT_TYPES[a.ggml_type]} but lora_b is "
+                                              f"{FLOAT_TYPES[b.ggml_type]}; both factors of a target must have one type"))
     (r, n_in), (n_out, rb) = a.shape, b.shape
     if r != rb:
         out.append((f"tensor {a.name}: shape",
