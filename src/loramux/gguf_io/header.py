@@ -198,7 +198,7 @@ def read_header(path: str | os.PathLike[str], *, keep_arrays: int = 4096, fd: in
     try:
         own = os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a FIFO must not block us here
     except OSError as e:
-        raise GGUFFormatError(str(p), f"cannot open: {e.strerror or e}") from e
+        raise format_error(str(p), "file", f"cannot open: {e.strerror or e}") from e
     try:
         st = os.fstat(own)
         if not stat.S_ISREG(st.st_mode):
