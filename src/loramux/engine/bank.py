@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import _native as N
-from ..errors import AdapterError, BackendError, LoramuxError
+from ..errors import AdapterError, BackendError, LoramuxError, SlotsBusyError
 from ..gguf_io import write_adapter
 from .adapters import LoRAAdapter, delta_bound_problems
 from .factor_stage import FactorTensors
@@ -47,12 +47,6 @@ from .registry import AdapterSet
 
 PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 VIEW_CACHE_MAX = 4096  # cached node views (a few per graph shape); cleared when exceeded
-
-
-class SlotsBusyError(LoramuxError):
-    """Every slot of the bank holds an adapter that a running request uses."""
-
-    code = "slots_busy"
 
 
 @dataclass
@@ -471,4 +465,4 @@ def token_scales(bank: SlotBank, entries: Sequence[tuple[int, Sequence[tuple[int
     return np.concatenate(rows) if rows else np.zeros((0, bank.K), np.float32)
 
 
-__all__ = ["Admission", "Mask", "MaskPlan", "SlotBank", "SlotsBusyError", "bank_info", "plan_ubatches", "token_scales"]
+__all__ = ["Admission", "Mask", "MaskPlan", "SlotBank", "bank_info", "plan_ubatches", "token_scales"]
