@@ -264,3 +264,38 @@ def test_write_invalidates_prefix_cache(engine, tiny_dir):
     fresh = engine.logits(PROMPT)
     assert int(np.argmax(fresh[-1])) == (g2.tokens[0] if g2.tokens else -1) or g2.finish_reason == "stop"
     assert g1.tokens != g2.tokens
+
+
+@pytest.mark.parametrize("call", ["get_factors", "all_factors", "save", "edit", "set_factors"])
+def test_calls_queued_behind_a_removal_raise_instead_of_reading_freed_memory(tiny_model, tmp_path, call):
+    """The open check runs where the read runs (between decodes), after a removal queued before it."""
+    write_tiny_lora(tmp_path / "x.gguf", seed=31)
+    eng = lm.Engine.load(tiny_model, n_ctx=128, n_threads=1, loras=[str(tmp_path / "x.gguf")])
+    try:
+        a = eng.adapter("x")
+        name = a.factor_names()[0]
+        started, release = threading.Event(), threading.Event()
+
+        def hold() -> None:  # keeps the engine thread busy until the removal is queued behind it
+            started.set()
+            release.wait(30)
+        busy = eng.call_async(hold)
+        assert started.wait(30)
+        removal = eng.call_async(lambda: eng.remove_lora("x"))
+        release.set()
+        A, B = random_factors(rank=2, seed=32)[name]
+        actions = {
+            "get_factors": lambda: a.get_factors(name),
+            "all_factors": a.all_factors,
+            "save": lambda: a.save(tmp_path / "out.gguf"),
+            "edit": lambda: a.edit().__enter__(),
+            "set_factors": lambda: a.set_factors(name, A, B),
+        }
+        with pytest.raises(lm.FactorError, match="unloaded"):
+            actions[call]()
+        busy.result(30)
+        removal.result(30)
+        assert "x" not in eng.adapters
+        assert not (tmp_path / "out.gguf").exists()
+    finally:
+        eng.close()

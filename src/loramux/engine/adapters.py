@@ -130,12 +130,6 @@ class LoRAAdapter:
         that tensor's own rank (`b->ne[0]` in llama-adapter.h), or 1 when alpha is 0."""
         return self.alpha / self.tensor_rank(name) if self.alpha else 1.0
 
-    def describe(self) -> dict[str, Any]:
-        """Plain-dict summary (for the CLI, the server and logs)."""
-        return {"name": self.name, "path": str(self.path), "source": self.source, "rank": self.rank,
-                "alpha": self.alpha, "dtype": self.dtype, "n_targets": len(self.targets), "size": self.size,
-                "invocation_tokens": list(self.invocation_tokens), "version": self.version}
-
     def __repr__(self) -> str:
         return f"LoRAAdapter({self.name!r}, rank={self.rank}, alpha={self.alpha}, targets={len(self.targets)})"
 
@@ -225,8 +219,9 @@ class LoRAAdapter:
 
     def get_factors(self, name: str) -> tuple[np.ndarray, np.ndarray]:
         """Read (A (r, in), B (out, r)) back from the live tensors, as float32."""
-        f = self._factor(name)
-        return self._run(lambda: self._read(f))
+        # the open check runs where the read does (the engine thread): a remove_lora queued before
+        # this call has freed the tensors by then, and must raise, not read freed memory
+        return self._run(lambda: self._read(self._factor(name)))
 
     def set_factors(self, name: str, a: Any, b: Any) -> None:
         """Write one factor pair in place (A (r, in), B (out, r)); seen by every context at once."""
@@ -293,16 +288,23 @@ class LoRAAdapter:
             raise FactorError(self.name, f"another edit() of this adapter stayed open for {EDIT_WAIT_S:.0f} s",
                               problems=["edit an adapter from one thread at a time"])
         try:
-            mirror = self._write(stage.mirror)  # reads the tensors only when a direct write made it stale
+            mirror = self._write(lambda: self._open_mirror(stage))
             names = self.factor_names()
             try:
                 yield dict(mirror.views)
             except BaseException:
-                self._write(lambda: mirror.reload(names))
+                self._write(lambda: None if self.handle.closed else mirror.reload(names))
                 raise
             self._write(lambda: self._publish_edit(mirror, names))
         finally:
             stage.lock.release()
+
+    def _open_mirror(self, stage: FactorStage) -> Mirror:
+        """The staging mirror, read from the tensors only when a direct write made it stale (between
+        decodes, where a queued removal has already happened: so the open check belongs here)."""
+        with self._lock:
+            self._check_open()
+            return stage.mirror()
 
     def _publish_edit(self, mirror: Mirror, names: list[str]) -> None:
         with self._lock:
@@ -342,13 +344,16 @@ class LoRAAdapter:
 
     def _check_open(self) -> None:
         if self.handle.closed:
-            raise FactorError(self.name, "the adapter was unloaded")
+            raise FactorError(self.name, "the adapter was unloaded",
+                              problems=["load it again (Engine.load_lora) and use the new LoRAAdapter"])
 
     def all_factors(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         """Every factor pair read back from the live tensors."""
-        assert self._factors is not None
-        facs = self._factors
-        return self._run(lambda: {n: self._read(f) for n, f in facs.items()})
+        def read() -> dict[str, tuple[np.ndarray, np.ndarray]]:
+            self._check_open()  # on the engine thread, after any queued removal (see get_factors)
+            assert self._factors is not None
+            return {n: self._read(f) for n, f in self._factors.items()}
+        return self._run(read)
 
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Write the current (live) factors to an adapter GGUF that loads anywhere llama.cpp does."""
