@@ -24,7 +24,6 @@ from ..errors import AdapterError, BackendError, FactorError
 from ..gguf_io import (
     LORA_A,
     LORA_B,
-    AdapterFileInfo,
     PinnedFile,
     read_adapter_factors,
     sha256_file,
@@ -45,6 +44,46 @@ def _decode(raw: np.ndarray, ggml_type: int) -> np.ndarray:
     return from_bf16_bits(raw) if ggml_type == BF16 else raw.astype(np.float32)
 
 
+class CheckedAdapter:
+    """An adapter file checked against a model, with no llama.cpp call: what can run off the engine thread.
+
+    The file is opened once (`PinnedFile`): validation (names, shapes, types, alpha, the bounded header
+    reader), the factor read and the NaN/Inf and overflow checks all go through that descriptor, and
+    llama.cpp later loads the same file through it. Parsing and checking cost grows with the file
+    (about 40 s/GB for a crafted header before the reader was bounded; a real 100 MB adapter tens of
+    ms), so `Engine.load_lora` does this on the caller's thread and hands only the llama.cpp calls to
+    the engine thread. `close()` releases the descriptor (idempotent; `LoRAAdapter` closes it).
+    """
+
+    def __init__(self, model: Model, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self.pin = PinnedFile(path)
+        try:
+            self.info = validate_adapter(path, model.architecture, model.tensor_shapes, fd=self.pin.fd)
+            # Read the factors once: for the NaN/Inf and overflow checks now and the discovery self-check.
+            self.factors = read_adapter_factors(path, fd=self.pin.fd)
+            _refuse_unusable(path, self.factors, self.info.alpha)
+        except BaseException:
+            self.pin.close()
+            raise
+
+    def close(self) -> None:
+        self.pin.close()
+
+
+def _refuse_unusable(path: str | os.PathLike[str], factors: Mapping[str, tuple[np.ndarray, np.ndarray]],
+                     alpha: float) -> None:
+    bad = [t for t, (a, b) in factors.items() if not (np.isfinite(a).all() and np.isfinite(b).all())]
+    if bad:
+        raise AdapterError(str(path), "cannot be used",
+                           problems=[f"{len(bad)} factor pairs contain NaN or Inf, e.g. {', '.join(bad[:3])}"])
+    huge = delta_bound_problems(factors, alpha)
+    if huge:
+        raise AdapterError(str(path), "cannot be used: its delta could overflow F32", problems=huge,
+                           hint="the factors (or alpha) are far outside any trained LoRA's range; "
+                                "re-export the adapter (docs/server.md states the bound)")
+
+
 class LoRAAdapter:
     """A LoRA adapter loaded against the base model.
 
@@ -52,24 +91,24 @@ class LoRAAdapter:
     ``dtype``, ``size`` (bytes), ``invocation_tokens`` (aLoRA), ``version`` (bumped by every write).
     """
 
-    def __init__(self, model: Model, path: str | os.PathLike[str], name: str,
+    def __init__(self, model: Model, file: str | os.PathLike[str] | CheckedAdapter, name: str,
                  run: Callable[[Callable[[], Any]], Any] | None = None, *, source: str | None = None,
-                 info: AdapterFileInfo | None = None,
                  write: Callable[[Callable[[], Any]], Any] | None = None) -> None:
-        # Opened once: the checks below and llama.cpp's load read the same file (no swap in between).
-        pin = PinnedFile(path)
-        self.info = info or validate_adapter(path, model.architecture, model.tensor_shapes, fd=pin.fd)
-        # Read the factors once: for the NaN/Inf check now and the discovery self-check below.
-        file_factors = read_adapter_factors(path, fd=pin.fd)
-        bad = [t for t, (a, b) in file_factors.items() if not (np.isfinite(a).all() and np.isfinite(b).all())]
-        if bad:
-            raise AdapterError(str(path), "cannot be used",
-                               problems=[f"{len(bad)} factor pairs contain NaN or Inf, e.g. {', '.join(bad[:3])}"])
-        huge = delta_bound_problems(file_factors, self.info.alpha)
-        if huge:
-            raise AdapterError(str(path), "cannot be used: its delta could overflow F32", problems=huge,
-                               hint="the factors (or alpha) are far outside any trained LoRA's range; "
-                                    "re-export the adapter (docs/server.md states the bound)")
+        """Load `file` (a path, or a `CheckedAdapter` checked earlier on another thread) into llama.cpp.
+
+        Call on the engine thread: it makes llama.cpp calls (the adapter load and a one-token
+        discovery decode). `run` / `write` run later reads and writes between decodes.
+        """
+        checked = file if isinstance(file, CheckedAdapter) else CheckedAdapter(model, file)
+        try:
+            self._load(model, checked, name, run, source, write)
+        finally:
+            checked.close()
+
+    def _load(self, model: Model, checked: CheckedAdapter, name: str,
+              run: Callable[[Callable[[], Any]], Any] | None, source: str | None,
+              write: Callable[[Callable[[], Any]], Any] | None) -> None:
+        self.info, path, pin = checked.info, checked.path, checked.pin
         self.model = model
         self.name = name
         self.path = Path(path)
@@ -87,7 +126,7 @@ class LoRAAdapter:
             pin.close(check=True)  # refuses a file rewritten (or, without /proc, replaced) during the load
             tokens = self.handle.alora_invocation_tokens()
             self.invocation_tokens: tuple[int, ...] = tuple(tokens) or self.info.invocation_tokens
-            self._discover(file_factors)
+            self._discover(checked.factors)
         except BaseException:
             self.handle.close()
             raise

@@ -25,7 +25,7 @@ from .. import _native as N
 from .. import config
 from ..errors import AdapterError, ContextLengthError, EngineClosedError, ParameterError
 from ..sources import resolve
-from .adapters import LoRAAdapter
+from .adapters import CheckedAdapter, LoRAAdapter
 from .bank import SlotBank
 from .control import ControlSetting, ControlSource
 from .model import Context, ContextOptions, Model, default_threads
@@ -289,9 +289,17 @@ class Engine:
                         "may still depend on their batch; reinstall with CMAKE_ARGS=\"-DGGML_LLAMAFILE=OFF\" "
                         "pip install --force-reinstall --no-cache-dir llama-cpp-python==%s", N.PINNED_VERSION)
 
+        # Parsing and checking the file happen here, on the caller's thread: only llama.cpp's load and
+        # the tensor discovery run on the engine thread, so a load stalls decoding as little as it can.
+        try:
+            checked = CheckedAdapter(self.model, path)
+        except AdapterError as e:
+            e.name = name
+            raise
+
         def commit() -> LoRAAdapter:
             try:
-                adapter = LoRAAdapter(self.model, path, name, self.call, source=src,
+                adapter = LoRAAdapter(self.model, checked, name, self.call, source=src,
                                       write=self.call_between_decodes)
             except AdapterError as e:
                 e.name = name
@@ -301,7 +309,10 @@ class Engine:
                 self._retired.append(old)
                 self._free_retired()
             return adapter
-        return self.call(commit)
+        try:
+            return self.call(commit)
+        finally:
+            checked.close()  # already closed by the load; this covers a commit that never ran
 
     def set_lora(self, source: str | os.PathLike[str], scale: float = 1.0, name: str | None = None,
                  **source_options: Any) -> LoRAAdapter:
