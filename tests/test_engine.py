@@ -276,3 +276,36 @@ def test_random_factors_helper_shapes():
     f = random_factors(rank=3)
     a, b = f["blk.0.attn_k.weight"]
     assert a.shape == (3, 64) and b.shape == (32, 3)
+
+
+def test_a_failing_request_fails_alone(tiny_model, tiny_dir, monkeypatch):
+    """An error while sampling one request ends that request with a typed error; the others it shared
+    decode steps with finish exactly as they would have alone."""
+    from loramux.engine.scheduler import Scheduler
+    from loramux.errors import RequestFailed
+
+    eng = lm.Engine.load(tiny_model, n_ctx=256, n_parallel=3, n_threads=2, loras=[str(tiny_dir / "a.gguf")])
+    try:
+        eng.set_lora("a", scale=0.0)
+        plans = [({"a": 1.0}, ()), ({}, ()), ({"a": 1.0}, ("BOOM",))]
+        solo = [eng.generate(PROMPT, max_tokens=12, loras=s, ignore_eos=True).tokens for s, _ in plans[:2]]
+        original = Scheduler._sample
+
+        def sample(self, r, idx):  # the third request's sampling breaks after a few tokens
+            if "BOOM" in tuple(r.params.stop or ()) and len(r.generated) >= 3:
+                raise RuntimeError("sampler exploded")
+            return original(self, r, idx)
+        monkeypatch.setattr(Scheduler, "_sample", sample)
+        streams = [eng.stream(PROMPT, max_tokens=12, loras=s, stop=list(stop), ignore_eos=True)
+                   for s, stop in plans]
+        done = [streams[0].consume().tokens, streams[1].consume().tokens]
+        with pytest.raises(RequestFailed) as err:
+            streams[2].consume()
+        assert err.value.stage == "sample" and err.value.adapters == ["a"]
+        assert done == solo
+        assert eng.stats()["multi_seq_steps"] > 0  # they really shared decodes with the failing one
+        assert eng.scheduler.snapshot()["running"] == 0
+        monkeypatch.setattr(Scheduler, "_sample", original)
+        assert eng.generate(PROMPT, max_tokens=12, loras={"a": 1.0}, ignore_eos=True).tokens == solo[0]
+    finally:
+        eng.close()

@@ -25,6 +25,7 @@ Every public error is defined here. The tree (``code`` is what the server puts i
     ├── ContextLengthError          context_length_exceeded (also a ValueError)
     ├── ParameterError              invalid_parameter    (also a ValueError)
     ├── EngineClosedError           engine_closed        (also a RuntimeError)
+    ├── RequestFailed               request_failed       one request failed; the others go on
     ├── TrainingError               training_error
     └── ProbeMismatch               probe_mismatch
 """
@@ -246,6 +247,24 @@ class EngineClosedError(LoramuxError, RuntimeError):
     code = "engine_closed"
 
 
+class RequestFailed(LoramuxError):
+    """One request failed while it was being served (sampling, text assembly, its decode); only it ended.
+
+    `stage` says where ("decode", "sample"), `adapters` the adapter set it ran with, `cause` the error.
+    """
+
+    code = "request_failed"
+
+    def __init__(self, stage: str, adapters: Iterable[str], cause: BaseException):
+        self.stage = stage
+        self.adapters = list(adapters)
+        self.cause = cause
+        on = ", ".join(self.adapters) or "the base model"
+        super().__init__(f"the request failed during {stage} with {on}: {type(cause).__name__}: {cause}",
+                         hint="other requests were not affected; if this repeats with one adapter, "
+                              "check or reload that adapter")
+
+
 class TrainingError(LoramuxError):
     """Zeroth-order training stopped (bad data, non-finite loss); factors were restored."""
 
@@ -267,5 +286,5 @@ __all__ = [
     "AdapterError", "AdapterNotFoundError", "BackendError", "ChecksumError", "ContextLengthError",
     "ControlVectorError", "ConversionError", "DownloadCancelled", "DownloadError", "DownloadRefused",
     "EngineClosedError", "FactorError", "GGUFFormatError", "LoramuxError", "ModelError", "ParameterError",
-    "ProbeMismatch", "ScaleError", "SlotsBusyError", "SourceError", "TrainingError",
+    "ProbeMismatch", "RequestFailed", "ScaleError", "SlotsBusyError", "SourceError", "TrainingError",
 ]

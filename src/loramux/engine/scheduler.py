@@ -10,6 +10,7 @@ vector), never across adapter sets.
 from __future__ import annotations
 
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -18,11 +19,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import _native as N
-from ..errors import BackendError, LoramuxError
+from ..errors import BackendError, LoramuxError, RequestFailed
 from .bank import SlotBank
 from .model import Context, Model
 from .registry import AdapterSet
 from .sampling import Completion, SamplingParams, TextAssembler
+
+log = logging.getLogger("loramux")
 
 _ids = itertools.count(1)
 GROUP_RUN_STEPS = 8  # steps a group keeps the context before another waiting group gets it
@@ -86,7 +89,11 @@ class Request:
     def emit(self, kind: str, value: Any) -> None:
         self.events.put((kind, value))
         if self.on_event is not None:
-            self.on_event(kind, value)
+            try:
+                self.on_event(kind, value)
+            except Exception:  # noqa: BLE001 - a broken listener ends its own request, nothing else
+                log.exception("a request's event callback failed; cancelling that request")
+                self.cancelled.set()
 
 
 class Scheduler:
@@ -159,9 +166,10 @@ class Scheduler:
                 self.bank.decode(self.ctx, entries)  # plans the per-token masks, decodes, checks them
             else:
                 self.ctx.handle.decode(self.ctx.batch)
-        except LoramuxError as e:
+        except Exception as e:  # noqa: BLE001 - the batch's requests fail; waiting ones and the engine go on
+            err = e if isinstance(e, LoramuxError) else RequestFailed("decode", phase.adapters.as_dict(), e)
             for r, _ in plan:
-                self._finish(r, error=e)
+                self._finish(r, error=err)
             return
         self.stats["decode_steps"] += 1
         b = self.ctx.batch
@@ -169,7 +177,7 @@ class Scheduler:
         self.stats["multi_seq_steps"] += int(b.n > 0 and bool((b.seq[: b.n] != b.seq[0]).any()))
         for r, out_idx in plan:
             if out_idx is not None:
-                self._sample(r, out_idx)
+                self._sample_or_fail(r, out_idx)
 
     def _drop_cancelled(self) -> None:
         for r in list(self.waiting):
@@ -294,6 +302,17 @@ class Scheduler:
             else:
                 phase.cvec.apply(self.ctx.handle)
             self.applied_cvec = phase.cvec
+
+    def _sample_or_fail(self, r: Request, idx: int) -> None:
+        """Sample one request's next token; an error there (sampler, text assembly) ends that request only."""
+        try:
+            self._sample(r, idx)
+        except Exception as e:  # noqa: BLE001 - failure isolation: fail this request, not the step
+            log.exception("sampling failed for one request")
+            err = e if isinstance(e, LoramuxError) else RequestFailed(
+                "sample", r.phase_at(r.n_past).adapters.as_dict(), e)
+            if r.seq is not None and self.slots[r.seq] is r:
+                self._finish(r, error=err)
 
     def _sample(self, r: Request, idx: int) -> None:
         assert r.text is not None
