@@ -548,15 +548,6 @@ class ContextHandle(_Handle):
     def memory_clear(self) -> None:
         C.llama_memory_clear(C.llama_get_memory(self.ptr), True)
 
-    def memory_seq_pos_max(self, seq_id: int) -> int:
-        return int(C.llama_memory_seq_pos_max(C.llama_get_memory(self.ptr), seq_id))
-
-    def synchronize(self) -> None:
-        C.llama_synchronize(self.ptr)
-
-    def set_threads(self, n_threads: int, n_threads_batch: int) -> None:
-        C.llama_set_n_threads(self.ptr, n_threads, n_threads_batch)
-
 
 # The KV cache types llama.cpp accepts here, by the name `kv_type` takes.
 KV_TYPES = {"f32": G.F32, "f16": G.F16, "bf16": G.BF16, "q8_0": G.Q8_0}

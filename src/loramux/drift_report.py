@@ -15,12 +15,15 @@ import textwrap
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ._progress import bar
 from .errors import ParameterError
+
+if TYPE_CHECKING:  # the engine loads llama.cpp: imported where it is used
+    from .engine.runtime import Engine
 
 DRIFT_NAME = "loramux-drift"
 
@@ -136,7 +139,7 @@ def _one_line(text: str, n: int) -> str:
     return t if len(t) <= n else t[: max(1, n - 1)] + "…"
 
 
-def drift(engine_or_model_path: Any = None, lora: str | os.PathLike[str] | None = None, *, scale: float = 1.0,
+def drift(engine_or_model_path: Engine | str | os.PathLike[str] | None = None, lora: str | os.PathLike[str] | None = None, *, scale: float = 1.0,
           prompts: Sequence[str] | str | os.PathLike[str] | None = None, max_tokens: int = 32,
           threads: int | None = None, n_gpu_layers: int = 0, n_ctx: int = 2048,
           progress: bool | None = None) -> DriftResult:
@@ -176,7 +179,7 @@ def drift(engine_or_model_path: Any = None, lora: str | os.PathLike[str] | None 
     return DriftResult(items, info, model, scale, max_tokens)
 
 
-def _drift_one(eng: Any, text: str, on: dict[str, float], max_tokens: int) -> DriftItem:
+def _drift_one(eng: Engine, text: str, on: dict[str, float], max_tokens: int) -> DriftItem:
     toks = eng.tokenize(text)
     base, adapted = eng.logits(toks, loras={}, control=None), eng.logits(toks, loras=on, control=None)
     kl = kl_rows(base, adapted)

@@ -32,12 +32,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 
 from ._progress import bar
 from .errors import ParameterError, ProbeMismatch
+
+if TYPE_CHECKING:  # the engine loads llama.cpp: imported where it is used
+    from .engine.runtime import Engine
 
 FORMAT = "loramux-probe/1"
 PROMPTS: tuple[str, ...] = (
@@ -382,28 +385,22 @@ def _refuse(where: str, foreign: list[str], tolerable: bool) -> NoReturn:
 
 # ------------------------------------------------------------------------------------------ engine
 @contextmanager
-def open_engine(engine_or_model_path: Any = None, *, threads: int | None = None, n_gpu_layers: int = 0,
-                n_ctx: int = 256, use_mmap: bool = True) -> Iterator[Any]:
-    """Use the Engine given, or load one (default model when None) and close it afterwards."""
+def open_engine(engine_or_model_path: Engine | str | os.PathLike[str] | None = None, *, threads: int | None = None,
+                n_gpu_layers: int = 0, n_ctx: int = 256, use_mmap: bool = True) -> Iterator[Engine]:
+    """Use the Engine given, or load one (default model when None) with the probe's settings and close it."""
     from .engine.runtime import Engine
 
-    if isinstance(engine_or_model_path, Engine):
-        yield engine_or_model_path
-        return
-    eng = Engine.load(engine_or_model_path, n_ctx=n_ctx, n_threads=threads, n_gpu_layers=n_gpu_layers,
-                      use_mmap=use_mmap)
-    try:
+    with Engine.use(engine_or_model_path, n_ctx=n_ctx, n_threads=threads, n_gpu_layers=n_gpu_layers,
+                    use_mmap=use_mmap) as eng:
         yield eng
-    finally:
-        eng.close()
 
 
-def engine_threads(eng: Any) -> int:
+def engine_threads(eng: Engine) -> int:
     """Threads the engine's evaluation context runs with (what the losses depend on)."""
     return int(eng.n_threads)
 
 
-def build_identity(eng: Any) -> dict[str, Any]:
+def build_identity(eng: Engine) -> dict[str, Any]:
     """What the probe's numbers depend on: the binding, llama.cpp's CPU features, backend, threads, model."""
     from . import _native as N
 
@@ -414,7 +411,7 @@ def build_identity(eng: Any) -> dict[str, Any]:
 
 
 @contextmanager
-def probe_adapter(eng: Any, lora: str | os.PathLike[str] | None, name: str = PROBE_NAME) -> Iterator[Any]:
+def probe_adapter(eng: Engine, lora: str | os.PathLike[str] | None, name: str = PROBE_NAME) -> Iterator[Any]:
     """Load the probe's adapter into `eng` under its own name: the builtin one (written to a temp GGUF),
     a file/URL, or a copy of an adapter already loaded in `eng` by that name. Unloaded afterwards."""
     from .gguf_io import write_adapter
@@ -437,7 +434,7 @@ def probe_adapter(eng: Any, lora: str | os.PathLike[str] | None, name: str = PRO
 
 
 # ------------------------------------------------------------------------------------------ probe
-def probe(engine_or_model_path: Any = None, lora: str | os.PathLike[str] | None = None, *,
+def probe(engine_or_model_path: Engine | str | os.PathLike[str] | None = None, lora: str | os.PathLike[str] | None = None, *,
           threads: int | None = None, n_gpu_layers: int = 0, check: Any = None, write: Any = None,
           rtol: float = 0.0, progress: bool | None = None, use_mmap: bool = True) -> ProbeResult:
     """Run the known-answer probe and return its table.

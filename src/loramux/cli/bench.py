@@ -13,7 +13,10 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the engine loads llama.cpp: imported where it is used
+    from ..engine.runtime import Engine
 
 PROMPT = "The history of the river valley is long and full of change, and the people who lived there"
 
@@ -43,7 +46,7 @@ def measure(opts: dict[str, Any]) -> dict[str, float]:
         eng.close()
 
 
-def _parallel(eng: Any, prompt: list[int], n: int, k: int) -> float:
+def _parallel(eng: Engine, prompt: list[int], n: int, k: int) -> float:
     threads = [threading.Thread(target=eng.generate, args=(prompt,), kwargs={"max_tokens": n, "ignore_eos": True,
                                                                            "seed": i}) for i in range(k)]
     t0 = time.perf_counter()

@@ -377,13 +377,6 @@ class Scheduler:
         for r in self.running:
             self._finish(r, error=error)
 
-    def reset_cache(self) -> None:
-        """Forget every reusable prefix (after the model's weights changed under the KV cache)."""
-        for i in range(self.n_parallel):
-            if self.slots[i] is None:
-                self.ctx.handle.memory_seq_rm(i, -1, -1)
-                self.slot_cache[i] = ((), [])
-
 
 def _phase_end(r: Request) -> int:
     for ph in r.phases:

@@ -20,9 +20,12 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import LoramuxError, TrainingError
+
+if TYPE_CHECKING:  # the engine loads llama.cpp: imported where it is used
+    from ..engine.runtime import Engine
 
 #: How many problems one error lists before it says "and N more".
 MAX_LISTED = 20
@@ -50,7 +53,7 @@ class _Bad(Exception):
 DataArg = str | os.PathLike[str] | Sequence[Mapping[str, Any]] | Sequence[Example]
 
 
-def load_examples(engine: Any, data: DataArg, *, what: str = "data") -> list[Example]:
+def load_examples(engine: Engine, data: DataArg, *, what: str = "data") -> list[Example]:
     """Turn a JSONL file (or a list of records, or ready Examples) into examples for `engine`.
 
     Every problem (malformed JSON, unknown format, empty completion, too long for the context...) is
@@ -100,7 +103,7 @@ def read_jsonl(path: str | os.PathLike[str], *, what: str = "data") -> list[tupl
     return out
 
 
-def encode_record(engine: Any, rec: Any, where: str) -> Example:
+def encode_record(engine: Engine, rec: Any, where: str) -> Example:
     """Tokens and mask of one record (any of the three formats)."""
     if not isinstance(rec, Mapping):
         raise _Bad(f"expected a JSON object with {FORMATS}, got {type(rec).__name__}")
@@ -129,7 +132,7 @@ def _string(value: Any, key: str) -> str:
     return value
 
 
-def _encode_completion(engine: Any, prompt: Any, completion: Any) -> tuple[list[int], list[bool]]:
+def _encode_completion(engine: Engine, prompt: Any, completion: Any) -> tuple[list[int], list[bool]]:
     if prompt is None or completion is None:
         raise _Bad("'prompt' and 'completion' go together: both are needed")
     p = _string(prompt, "prompt")
@@ -140,7 +143,7 @@ def _encode_completion(engine: Any, prompt: Any, completion: Any) -> tuple[list[
     return full, [i >= start for i in range(len(full))]
 
 
-def _encode_chat(engine: Any, messages: Any) -> tuple[list[int], list[bool]]:
+def _encode_chat(engine: Engine, messages: Any) -> tuple[list[int], list[bool]]:
     if not isinstance(messages, list) or not messages:
         raise _Bad("'messages' must be a non-empty list of {'role', 'content'} objects")
     for i, m in enumerate(messages):
@@ -181,7 +184,7 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def _check_lengths(engine: Any, examples: list[Example], what: str) -> None:
+def _check_lengths(engine: Engine, examples: list[Example], what: str) -> None:
     n_ctx = int(engine.n_ctx)
     long = [f"{e.source}: {len(e.tokens)} tokens, the context holds {n_ctx}" for e in examples
             if len(e.tokens) > n_ctx]

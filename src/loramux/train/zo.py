@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -37,6 +37,9 @@ from .._progress import bar as progress_bar
 from ..errors import ParameterError, TrainingError
 from ..gguf_io import atomic_path, read_adapter_factors, write_adapter
 from .data import DataArg, Example, digest, load_examples
+
+if TYPE_CHECKING:  # the engine loads llama.cpp: imported where it is used
+    from ..engine.runtime import Engine
 
 Factors = dict[str, tuple[np.ndarray, np.ndarray]]
 DEFAULT_TARGETS = ("attn_q", "attn_v")
@@ -161,7 +164,7 @@ def target_shapes(model: Any, targets: Sequence[str]) -> dict[str, tuple[int, in
 class ZOTrainer:
     """The state of one zeroth-order run on an engine; `train_zo` drives it."""
 
-    def __init__(self, engine: Any, train: list[Example], evals: list[Example], out: Path,
+    def __init__(self, engine: Engine, train: list[Example], evals: list[Example], out: Path,
                  cfg: ZOConfig, name: str) -> None:
         self.engine, self.train, self.evals, self.out, self.cfg, self.name = engine, train, evals, out, cfg, name
         if cfg.batch > len(train):
@@ -398,7 +401,7 @@ def _model_json(model: Any) -> dict[str, Any]:
             "n_embd": int(model.n_embd), "n_vocab": int(model.n_vocab)}
 
 
-def train_zo(engine_or_model: Any, data: DataArg, out: str | os.PathLike[str], *,
+def train_zo(engine_or_model: Engine | str | os.PathLike[str] | None, data: DataArg, out: str | os.PathLike[str], *,
              eval_data: DataArg | None = None, name: str | None = None, resume: str | os.PathLike[str] | None = None,
              log: str | os.PathLike[str] | None = None, plot: str | os.PathLike[str] | None = None,
              progress: bool = True, callback: Callable[[dict[str, Any]], bool | None] | None = None,
@@ -426,24 +429,14 @@ def train_zo(engine_or_model: Any, data: DataArg, out: str | os.PathLike[str], *
     out_path = Path(out)
     if out_path.suffix != ".gguf":
         raise ParameterError("out", f"{out_path} should end in .gguf (it is an adapter GGUF)")
-    engine, own = _engine(engine_or_model, n_ctx, n_threads)
-    try:
-        return _run(engine, data, eval_data, out_path, cfg, name or out_path.stem, resume, log, plot,
-                    progress, callback)
-    finally:
-        if own:
-            engine.close()
-
-
-def _engine(engine_or_model: Any, n_ctx: int, n_threads: int | None) -> tuple[Any, bool]:
-    if hasattr(engine_or_model, "loss_sum") and hasattr(engine_or_model, "load_lora"):
-        return engine_or_model, False
     from ..engine.runtime import Engine
 
-    return Engine.load(engine_or_model, n_ctx=n_ctx, n_threads=n_threads), True
+    with Engine.use(engine_or_model, n_ctx=n_ctx, n_threads=n_threads) as engine:
+        return _run(engine, data, eval_data, out_path, cfg, name or out_path.stem, resume, log, plot,
+                    progress, callback)
 
 
-def _run(engine: Any, data: DataArg, eval_data: DataArg | None, out: Path, cfg: ZOConfig, name: str,
+def _run(engine: Engine, data: DataArg, eval_data: DataArg | None, out: Path, cfg: ZOConfig, name: str,
          resume: Any, log: Any, plot: Any, progress: bool, callback: Any) -> TrainResult:
     train = load_examples(engine, data, what="data")
     evals = load_examples(engine, eval_data, what="eval data") if eval_data is not None else []
