@@ -148,7 +148,6 @@ def _find_op(name: str) -> int:
 
 
 OP_MUL_MAT = _find_op("MUL_MAT")
-GGML_TYPE_SIZE = G.ELEMENT_SIZE  # the table lives in ggml_types; this name is kept for its importers
 
 EvalCallback = Callable[[int, bool], bool]  # (tensor pointer, ask) -> bool
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .gguf_io import FLOAT_TYPES, LORA_A, LORA_B, read_header, validate_adapter
+from .ggml_types import FLOAT_NAMES
+from .gguf_io import LORA_A, LORA_B, read_header, validate_adapter
 
 
 def describe_file(path: str | os.PathLike[str], *, factors: bool = False) -> dict[str, Any]:
@@ -28,7 +29,7 @@ def describe_file(path: str | os.PathLike[str], *, factors: bool = False) -> dic
                     base_model=h.metadata.get("adapter.base_model") or h.metadata.get("general.base_model.0.name"))
         if factors:
             info["factors"] = [{"name": t, "a": a.shapes[t][0], "b": a.shapes[t][1],
-                                "dtype": FLOAT_TYPES.get(h.tensors[t + LORA_A].ggml_type, "?")}
+                                "dtype": FLOAT_NAMES.get(h.tensors[t + LORA_A].ggml_type, "?")}
                                for t in a.targets]
         return info
     arch = h.architecture

@@ -21,6 +21,7 @@ import numpy as np
 
 from .. import _native as N
 from ..errors import AdapterError, BackendError, FactorError
+from ..ggml_types import ELEMENT_SIZE, FLOAT_NAMES, STORAGE_DTYPE, decode
 from ..gguf_io import (
     LORA_A,
     LORA_B,
@@ -30,7 +31,7 @@ from ..gguf_io import (
     validate_adapter,
     write_adapter,
 )
-from .factor_stage import BF16, STORE, TYPE_NAME, FactorStage, FactorTensors, Mirror, from_bf16_bits
+from .factor_stage import FactorStage, FactorTensors, Mirror
 from .model import Context, ContextOptions, Model
 
 _uid = itertools.count(1)
@@ -38,10 +39,6 @@ EDIT_WAIT_S = 30.0
 # Largest gain a factor pair may have per unit of input (see delta_bound_problems and docs/server.md):
 # F32 tops out near 2**128, so inputs up to 2**64 in magnitude (times the request scale) cannot overflow.
 MAX_DELTA_GAIN = 2.0 ** 64
-
-
-def _decode(raw: np.ndarray, ggml_type: int) -> np.ndarray:
-    return from_bf16_bits(raw) if ggml_type == BF16 else raw.astype(np.float32)
 
 
 class CheckedAdapter:
@@ -211,10 +208,10 @@ class LoRAAdapter:
             if tuple(va.ne[:2]) != tuple(reversed(a_shape)) or tuple(vb.ne[:2]) != tuple(reversed(b_shape)):
                 problems.append(f"{t}: graph tensor shapes {tuple(va.ne[:2])}/{tuple(vb.ne[:2])} differ from the file")
                 continue
-            if va.type not in TYPE_NAME or va.type != vb.type:
+            if va.type not in FLOAT_NAMES or va.type != vb.type:
                 problems.append(f"{t}: unexpected tensor types {va.type}/{vb.type}")
                 continue
-            esize = N.GGML_TYPE_SIZE[va.type]
+            esize = ELEMENT_SIZE[va.type]
             if N.tensor_nbytes(a) != esize * a_shape[0] * a_shape[1] or N.tensor_nbytes(b) != esize * b_shape[0] * b_shape[1]:
                 problems.append(f"{t}: byte sizes differ from the shapes (ggml_tensor layout changed?)")
                 continue
@@ -233,10 +230,10 @@ class LoRAAdapter:
         return factors
 
     def _read(self, f: FactorTensors) -> tuple[np.ndarray, np.ndarray]:
-        store = STORE[f.type]
+        store = STORAGE_DTYPE[f.type]
         ra = N.tensor_get(f.a, np.empty(f.a_shape, dtype=store))
         rb = N.tensor_get(f.b, np.empty(f.b_shape, dtype=store))
-        return _decode(ra, f.type), _decode(rb, f.type)
+        return decode(ra, f.type), decode(rb, f.type)
 
     # -- in-place factors --------------------------------------------------------------------
     def factor_tensors(self) -> Mapping[str, FactorTensors]:

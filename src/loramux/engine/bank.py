@@ -39,6 +39,7 @@ import numpy as np
 
 from .. import _native as N
 from ..errors import AdapterError, BackendError, LoramuxError, SlotsBusyError
+from ..ggml_types import ELEMENT_SIZE
 from ..gguf_io import write_adapter
 from .adapters import LoRAAdapter, delta_bound_problems
 from .factor_stage import FactorTensors
@@ -167,7 +168,7 @@ class SlotBank:
         self._facs: dict[str, FactorTensors] = dict(self.adapter.factor_tensors())
         self._a_ptrs = {self._facs[t].a: t for t in self.targets}
         self._target_set = frozenset(self.targets)
-        self._esize = N.GGML_TYPE_SIZE[self._facs[self.targets[0]].type]
+        self._esize = ELEMENT_SIZE[self._facs[self.targets[0]].type]
         self._store = np.float32 if self._esize == 4 else np.float16
         self.slots = [_Slot() for _ in range(slots)]
         self.plan: MaskPlan | None = None

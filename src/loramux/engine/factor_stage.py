@@ -30,10 +30,8 @@ import numpy as np
 
 from .. import _native as N
 from ..ggml_types import BF16, ELEMENT_SIZE, FLOAT_NAMES, STORAGE_DTYPE, to_bf16_bits
-from ..ggml_types import from_bf16_bits as from_bf16_bits  # re-exported: adapters.py imports it from here
 
 # The names adapters.py imports from here: ggml_types' own tables, not copies.
-TYPE_NAME, STORE = FLOAT_NAMES, STORAGE_DTYPE
 
 _PACK_ALIGN = 64
 MIRROR_MAX_BYTES = 8 << 20  # above this, writes go tensor by tensor (see FactorStage)

@@ -44,7 +44,7 @@ from .header import (
 )
 
 __all__ = [
-    "ADAPTER_MAX_HEADER", "DEFAULT_ALIGNMENT", "DEFAULT_MAX_HEADER", "FLOAT_TYPES", "GGML_BLOCKS", "GGUF_MAGIC",
+    "ADAPTER_MAX_HEADER", "DEFAULT_ALIGNMENT", "DEFAULT_MAX_HEADER", "GGML_BLOCKS", "GGUF_MAGIC",
     "LORA_A", "LORA_B", "VALUE_ARRAY", "VALUE_FLOAT32", "VALUE_FORMATS", "VALUE_NAMES", "VALUE_STRING",
     "VALUE_UINT32", "AdapterFileInfo", "GGUFFormatError", "GGUFHeader", "PinnedFile", "TensorInfo",
     "atomic_path", "format_error", "read_adapter_factors", "read_control_vector", "read_float_tensor",
@@ -52,7 +52,6 @@ __all__ = [
 ]
 
 # The float types an adapter may carry, by ggml type id (the table is ggml_types'; inspect.py reads it here).
-FLOAT_TYPES = G.FLOAT_NAMES
 
 
 def sha256_file(path: str | os.PathLike[str], chunk: int = 1 << 20) -> str:
@@ -121,7 +120,7 @@ def validate_adapter(path: str | os.PathLike[str], base_arch: str | None = None,
             targets.append(base)
             problems += _pair_problems(base, info, b, base_shapes)
             shapes[base] = (info.shape, b.shape)
-            dtypes.append(FLOAT_TYPES.get(info.ggml_type, str(info.ggml_type)))
+            dtypes.append(G.FLOAT_NAMES.get(info.ggml_type, str(info.ggml_type)))
         elif name.endswith(LORA_B):
             if name[: -len(LORA_B)] + LORA_A not in h.tensors:
                 problems.append((f"tensor {name}", f"{name} has no matching {name[: -len(LORA_B)] + LORA_A}"))
@@ -234,15 +233,15 @@ def _pair_problems(base: str, a: TensorInfo, b: TensorInfo,
                    base_shapes: Mapping[str, tuple[int, ...]] | None) -> list[Problem]:
     out: list[Problem] = []
     for t in (a, b):
-        if t.ggml_type not in FLOAT_TYPES:
+        if t.ggml_type not in G.FLOAT_NAMES:
             out.append((f"tensor {t.name}: type",
                         f"{t.name} has ggml type {t.ggml_type}; factors must be F32, F16 or BF16"))
         if len(t.shape) != 2:
             out.append((f"tensor {t.name}: shape", f"{t.name} has shape {t.shape}; factors are 2-D"))
             return out
     if a.ggml_type != b.ggml_type and not out:  # llama.cpp takes it; in-place access needs one type per pair
-        out.append((f"tensor {b.name}: type", f"{base}: lora_a is {FLOAT_TYPES[a.ggml_type]} but lora_b is "
-                                              f"{FLOAT_TYPES[b.ggml_type]}; both factors of a target must have one type"))
+        out.append((f"tensor {b.name}: type", f"{base}: lora_a is {G.FLOAT_NAMES[a.ggml_type]} but lora_b is "
+                                              f"{G.FLOAT_NAMES[b.ggml_type]}; both factors of a target must have one type"))
     (r, n_in), (n_out, rb) = a.shape, b.shape
     if r != rb:
         out.append((f"tensor {a.name}: shape",
