@@ -90,7 +90,7 @@ def build(args: argparse.Namespace, work: Path) -> tuple[list[System], list[Syst
         """Decode the filled batch (n_tok tokens for each of `seqs`), masked through the bank if asked."""
         b = ctx.batch
         if mask:
-            scales = token_scales(bank, [(n_tok, [(slot[s % N_ADAPTERS], adapters[s % N_ADAPTERS].scaling)])
+            scales = token_scales(bank, [(n_tok, [(slot[s % N_ADAPTERS], 1.0)])
                                          for s in seqs])
             bank.set_plan(scales, b.logits[: b.n] != 0, plan_ubatches(b.seq[: b.n], b.capacity, True))
         ctx.handle.decode(b)
