@@ -591,3 +591,62 @@ def test_metrics_are_rendered_off_the_event_loop(tiny_model, adir):
         state.metrics.registry.register(Probe())
         assert httpx.get(srv.url + "/metrics").status_code == 200
     assert seen and seen[0][0] == "no loop" and not seen[0][1].startswith("loramux-server"), seen
+
+
+# ============================================================= found by the API fuzz (test_api_fuzz.py)
+def _post_raw(srv: ServerThread, path: str, body: object, headers: dict | None = None) -> httpx.Response:
+    """POST a body that may hold lone surrogates: json.dumps escapes them ("\\ud800"), as any client may."""
+    return httpx.post(srv.url + path, content=json.dumps(body), timeout=60,
+                      headers={"content-type": "application/json", **(headers or {})})
+
+
+def test_text_that_is_not_unicode_is_a_400_naming_the_field(tiny_model, adir):
+    """JSON may carry lone surrogates ("\\ud800") that UTF-8 cannot hold: they were a 500 from the tokenizer,
+    and any error message quoting one failed to render (500)."""
+    msg = [{"role": "user", "content": "hi"}]
+    cases = [
+        ("/v1/completions", {"prompt": "a\ud800b", "max_tokens": 2}, "prompt"),
+        ("/v1/completions", {"prompt": ["\udc00"], "max_tokens": 2, "stream": True}, "prompt"),
+        ("/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "stop": ["x", "\ud800"]}, "stop"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x\ud800"}]}, "messages.0.content"),
+        ("/v1/chat/completions", {"messages": [*msg, {"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]},
+         "messages.1.content"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "\ud800", "text": "x"}]}]},
+         "messages"),
+    ]
+    with serving(tiny_model, adir) as (srv, _, state):
+        for path, body, param in cases:
+            r = _post_raw(srv, path, body)
+            assert r.status_code == 400, (body, r.text[:300])
+            assert err(r)["param"] == param, (body, err(r))
+        assert "\\ud800" in err(r)["message"]  # shown escaped
+        assert state.in_flight == 0
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+        assert r.status_code == 200
+
+
+def test_adapter_paths_no_file_can_have_are_400s(tiny_model, adir):
+    """A NUL byte, a '~user' nobody is, a name longer than the file system allows: each was a 500."""
+    with serving(tiny_model, adir, loras=("a",), admin_api_key=ADMIN) as (srv, eng, _):
+        for path in ("a\x00.gguf", "/\x00", "~no-such-user-here/a.gguf", "x" * 300 + ".gguf", "d/" + "y" * 300):
+            r = load(srv, "x", path, ADMIN_AUTH)
+            assert r.status_code == 400, (path, r.text[:300])
+            assert err(r)["param"] == "lora_path" and err(r)["code"] in ("invalid_source", "adapter_file_not_found")
+        for body, path in (({"lora_name": "x", "lora_path": "a.gguf", "scale": 1e9}, "/v1/load_lora_adapter"),
+                           ([{"id": 0, "scale": -1e9}], "/lora-adapters")):
+            r = httpx.post(srv.url + path, json=body, headers=ADMIN_AUTH)
+            assert r.status_code == 400 and err(r)["param"] == "scale" and err(r)["code"] == "invalid_scale", r.text
+        assert sorted(eng.adapters) == ["a"]
+        assert load(srv, "x", "b.gguf", ADMIN_AUTH).status_code == 200
+
+
+def test_max_completion_tokens_zero_is_honoured(tiny_model, adir):
+    """max_completion_tokens 0 was read as 'not given' and max_tokens applied instead."""
+    with serving(tiny_model, adir) as (srv, _, _):
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10, "ignore_eos": True}
+        r = httpx.post(srv.url + "/v1/chat/completions", json={**body, "max_completion_tokens": 0}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 0, r.text
+        r = httpx.post(srv.url + "/v1/chat/completions", json={**body, "max_completion_tokens": 3}, timeout=60)
+        assert r.json()["usage"]["completion_tokens"] == 3
+        r = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=60)
+        assert r.json()["usage"]["completion_tokens"] == 10

@@ -44,9 +44,9 @@ class APIError(Exception):
                  headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
-        self.message = message
+        self.message = _utf8(message)
         self.code = code
-        self.param = param
+        self.param = None if param is None else _utf8(param)
         self.type = type or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
         self.headers = dict(headers or {})
 
@@ -56,6 +56,12 @@ class APIError(Exception):
     def response(self) -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else {}
         return JSONResponse(self.body(), status_code=self.status, headers={**headers, **self.headers})
+
+
+def _utf8(text: str) -> str:
+    """`text` as it can be sent: a message or parameter that quotes the request may hold lone surrogates
+    (JSON's "\\ud800"), which UTF-8 cannot encode; they are shown escaped instead of failing the response."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def model_not_found(name: str, known: list[str]) -> APIError:

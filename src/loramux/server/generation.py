@@ -66,8 +66,9 @@ def sampling_args(body: SamplingFields, n_prompt: int, n_ctx: int, chat: bool) -
         raise APIError(400, f"this model's context holds {n_ctx} tokens per request, and the prompt alone has "
                             f"{n_prompt}: shorten the prompt", code="context_length_exceeded",
                        param="messages" if chat else "prompt")
-    limit_name = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
-    max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
+    completion_limit = getattr(body, "max_completion_tokens", None)  # chat's newer name wins, 0 included
+    limit_name = "max_tokens" if completion_limit is None else "max_completion_tokens"
+    max_tokens = body.max_tokens if completion_limit is None else completion_limit
     if max_tokens is None:
         max_tokens = n_ctx - n_prompt if chat else 16
     if n_prompt + max_tokens > n_ctx:

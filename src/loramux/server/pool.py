@@ -187,7 +187,8 @@ class AdapterPool:
             raise APIError(400, f"invalid adapter name {name!r}: names must be {NAME_RULE} and differ from "
                                 f"the base model's name", code="invalid_name", param="lora_name")
         if not math.isfinite(scale) or abs(scale) > MAX_SCALE:
-            raise APIError(400, f"scale must be finite and within ±{MAX_SCALE:g}", param="scale")
+            raise APIError(400, f"scale must be finite and within ±{MAX_SCALE:g}", code="invalid_scale",
+                           param="scale")
         local = self.check_source(source)
         if Source.parse(source).kind != "path":
             local = str(await self.fetch(source, cancel))
@@ -235,7 +236,8 @@ class AdapterPool:
                            code="adapter_not_found", param="id")
         for i, s in pairs:
             if not math.isfinite(s) or abs(s) > MAX_SCALE:
-                raise APIError(400, f"scale of id {i} must be finite and within ±{MAX_SCALE:g}", param="scale")
+                raise APIError(400, f"scale of id {i} must be finite and within ±{MAX_SCALE:g}", code="invalid_scale",
+                               param="scale")
         for e in self.entries.values():
             e.global_scale = 0.0
         for i, s in pairs:
@@ -334,6 +336,9 @@ class AdapterPool:
             src = Source.parse(source)
         except SourceError as e:
             raise APIError(400, str(e), code="invalid_source", param="lora_path") from None
+        except RuntimeError:  # Path.expanduser: '~name' of a user this machine does not know
+            raise APIError(400, f"lora_path {source!r}: no such user's home directory", code="invalid_source",
+                           param="lora_path") from None
         if src.kind != "path":
             if not self.settings.allow_remote_adapters:
                 raise APIError(403, f"loading adapters from {src.kind} sources is disabled; start the server "
@@ -346,6 +351,9 @@ class AdapterPool:
                                 "--adapter-dir DIR and put the adapter file there", code="adapter_dir_required",
                            param="lora_path")
         assert src.path is not None
+        if "\x00" in str(src.path):  # no file name holds one (os calls raise ValueError on it)
+            raise APIError(400, f"lora_path {source!r}: a file name cannot contain a NUL character",
+                           code="invalid_source", param="lora_path")
         cands = [src.path] if src.path.is_absolute() else [d / src.path for d in dirs]
         path = next((c for c in cands if os.path.lexists(c)), cands[0])
         real = Path(os.path.realpath(path))
@@ -353,7 +361,11 @@ class AdapterPool:
             raise APIError(403, f"lora_path {source!r} resolves outside the adapter directories "
                                 f"({', '.join(map(str, dirs))}); symlinks and '..' may not leave them",
                            code="path_not_allowed", param="lora_path")
-        if not real.is_file():
+        try:
+            is_file = real.is_file()
+        except OSError:  # a name too long for the file system, a component that is not a directory...
+            is_file = False
+        if not is_file:
             raise APIError(400, f"lora_path {source!r}: no such adapter file in the adapter directories",
                            code="adapter_file_not_found", param="lora_path")
         return str(real)

@@ -8,6 +8,7 @@ llama-server and vLLM: `lora` (per-request adapter stack), `control_vector`, `to
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -23,6 +24,16 @@ MAX_LORA_REFS = 32  # entries of a per-request `lora` list
 MAX_NAME_CHARS = 1024  # characters of a `model` or control vector name
 MAX_STRENGTH = 1000.0  # |control_vector.strength|
 MAX_INT32 = 2**31 - 1  # what llama.cpp's sampler takes for top_k
+
+
+def _check_text(texts: Iterable[str], what: str) -> None:
+    """JSON may carry lone UTF-16 surrogates ("\\ud800") that no UTF-8 text can hold: refuse them here (a 400
+    naming the field) rather than fail in the tokenizer."""
+    for t in texts:
+        try:
+            t.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"{what} is not valid Unicode text: a lone surrogate at character {e.start}") from None
 
 
 class _Body(BaseModel):
@@ -89,6 +100,7 @@ class SamplingFields(_Body):
         if any(len(s) > MAX_STOP_CHARS for s in items):
             raise ValueError(f"stop strings may have at most {MAX_STOP_CHARS} characters each, got "
                              f"{max(len(s) for s in items)}")
+        _check_text(items, "a stop string")
         return v
 
     def unsupported(self) -> list[tuple[str, str]]:
@@ -116,6 +128,7 @@ class CompletionRequest(SamplingFields):
         texts = [v] if isinstance(v, str) else [p for p in v if isinstance(p, str)]
         if any(len(t) > MAX_PROMPT_CHARS for t in texts):
             raise ValueError(f"a prompt may have at most {MAX_PROMPT_CHARS} characters")
+        _check_text(texts, "the prompt")
         return v
 
     logprobs: int | None = None
@@ -164,6 +177,7 @@ class ChatMessage(_Body):
         n = len(v) if isinstance(v, str) else sum(len(p.text or "") for p in v or ())
         if n > MAX_CONTENT_CHARS:
             raise ValueError(f"a message may have at most {MAX_CONTENT_CHARS} characters of text, got {n}")
+        _check_text([v] if isinstance(v, str) else [p.text or "" for p in v or ()], "the message")
         return v
 
     def text(self) -> str:
