@@ -650,3 +650,24 @@ def test_max_completion_tokens_zero_is_honoured(tiny_model, adir):
         assert r.json()["usage"]["completion_tokens"] == 3
         r = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=60)
         assert r.json()["usage"]["completion_tokens"] == 10
+
+
+def test_client_that_leaves_after_its_generation_finished_counts_as_cancelled(tiny_model, adir):
+    """Found by the chaos soak: the engine had finished, the rest of the stream waited in the server's queue
+    for a client that stopped reading; once the client was gone every send returned at once, the rest of
+    the queue went out in one go and the request counted as a 200, before the disconnect could be seen."""
+    body = json.dumps({"model": "a", "prompt": PROMPT, "max_tokens": 1500, "temperature": 0, "ignore_eos": True,
+                       "stream": True}).encode()
+    with serving(tiny_model, adir, loras=("a",), n_ctx=2048, sndbuf=4096) as (srv, eng, state):
+        s = raw_http(srv, b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+                          b"content-length: %d\r\n\r\n%s" % (len(body), body), rcvbuf=4096)
+        try:
+            wait_for(lambda: eng.stats()["generated_tokens"] >= 1500, "the generation did not finish")
+            wait_for(lambda: eng.scheduler.snapshot()["running"] == 0, "the sequence was not freed")
+            assert state.in_flight == 1  # ~225 KB of events, a few KB of buffers: the stream is still going
+        finally:
+            s.close()  # with unread data: a reset
+        wait_for(lambda: state.in_flight == 0, "the request was not finished after its client left")
+        metrics = httpx.get(srv.url + "/metrics").text
+        assert 'loramux_requests_total{model="a",status="499"} 1.0' in metrics
+        assert 'loramux_requests_total{model="a",status="200"}' not in metrics

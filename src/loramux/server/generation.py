@@ -274,6 +274,10 @@ async def stream(job: Job) -> AsyncIterator[str]:
             kind, value = await job.queue.get()
             if kind == "text":
                 yield _chunk(job, value)
+                # to a client that is gone (left, or dropped by the write timeout) a send returns at once:
+                # without this the rest of the queue would go out in one go and count as a 200 before the
+                # disconnect could be seen
+                await asyncio.sleep(0)
                 continue
             if kind == "error":
                 err = from_exception(value)
