@@ -529,6 +529,17 @@ def _long_s4_running(eng: lm.Engine) -> bool:
                for r in list(eng.scheduler.slots))
 
 
+def _wait_long_s4(eng: lm.Engine, timeout: float) -> bool:
+    """Wait until the long s4 request is running. Each look runs on the engine thread between two steps
+    (eng.call), so a busy machine that delays this thread cannot let many steps pass unseen: the
+    engine runs at most the steps this thread's wake-up takes, far fewer than the request's 160."""
+    stop = time.monotonic() + timeout
+    while time.monotonic() < stop:
+        if eng.call(lambda: _long_s4_running(eng)):
+            return True
+    return False
+
+
 def _run_mixed(srv: object, eng: lm.Engine, jobs: list[tuple[str, str, int]], churn: bool) -> tuple[list, ...]:
     """Concurrent requests; with churn, s4 is unloaded while a long s4 request runs, then s5 is hot-loaded
     while others still run, and more requests go to both.
@@ -540,10 +551,7 @@ def _run_mixed(srv: object, eng: lm.Engine, jobs: list[tuple[str, str, int]], ch
     with ThreadPoolExecutor(len(jobs) + 12) as ex:
         futs = [(m, p, n, ex.submit(_ask, c, m, p, n)) for m, p, n in jobs]
         if churn:
-            deadline = time.monotonic() + 60
-            while not _long_s4_running(eng):
-                assert time.monotonic() < deadline, "the long s4 request never ran"
-                time.sleep(0.0005)
+            assert _wait_long_s4(eng, 120), "the long s4 request never ran"
             _unload(srv, "s4")  # while a request that uses it is running: it must finish normally
             late_s4 = [("s4", p, 12, ex.submit(_ask, c, "s4", p)) for p in PROMPTS[:3]]
             busy = eng.scheduler.snapshot()
