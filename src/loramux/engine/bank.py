@@ -167,6 +167,9 @@ class SlotBank:
         self.adapter = LoRAAdapter(model, path, "__bank__")
         self._facs: dict[str, FactorTensors] = dict(self.adapter.factor_tensors())
         self._a_ptrs = {self._facs[t].a: t for t in self.targets}
+        # cb_eval: stop at bank A·x nodes only (the ask test runs for every node of every decode, so
+        # it is answered in _native's one-frame trampoline) and mask them in place.
+        self.callback = N.MatmulStops(self._a_ptrs, self._on_node)
         self._target_set = frozenset(self.targets)
         self._esize = ELEMENT_SIZE[self._facs[self.targets[0]].type]
         self._store = np.float32 if self._esize == 4 else np.float16
@@ -363,10 +366,8 @@ class SlotBank:
         ubs = ubatches if ubatches is not None else [np.arange(len(full))]
         self.plan = MaskPlan([(Mask(full[u]), Mask(full[u[flags[u]]])) for u in ubs], len(self.targets))
 
-    def callback(self, t: int, ask: bool) -> bool:
-        """cb_eval: stop at bank A·x nodes and mask them in place; never truncate the graph."""
-        if ask:  # called for every node of the graph: the cheapest test (one read, a set lookup) first
-            return N.node_src0(t) in self._a_ptrs and N.node_op(t) == N.OP_MUL_MAT
+    def _on_node(self, t: int) -> None:
+        """After a bank A·x node was computed: mask it in place; never raise (see N.MatmulStops)."""
         try:
             self._mask_node(t)
         except Exception as e:  # noqa: BLE001 - raising here would silently skip the rest of the graph
@@ -376,7 +377,6 @@ class SlotBank:
                 self._zero_node(t)
             except Exception:  # noqa: BLE001 - check() fails this decode's requests either way
                 pass
-        return True
 
     def _mask_node(self, t: int) -> None:
         n_tok = N.node_ne1(t)
