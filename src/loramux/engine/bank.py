@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,6 +45,7 @@ from .adapters import LoRAAdapter, delta_bound_problems
 from .factor_stage import FactorTensors
 from .model import Context, Model
 from .registry import AdapterSet
+from .residency import DEFAULT_CACHE_BYTES, Prefetcher, SlotBlocks, WarmCache
 
 PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 VIEW_CACHE_MAX = 4096  # cached node views (a few per graph shape); cleared when exceeded
@@ -153,7 +154,11 @@ def plan_ubatches(seq_ids: np.ndarray, n_ubatch: int, unified: bool) -> list[np.
 class SlotBank:
     """K slots of rank r over every projection of the base model. Engine-thread only."""
 
-    def __init__(self, model: Model, slots: int, rank: int, *, dtype: str = "f32") -> None:
+    def __init__(self, model: Model, slots: int, rank: int, *, dtype: str = "f32",
+                 cache_bytes: int = DEFAULT_CACHE_BYTES, run: Callable[[Callable[[], None]], None] | None = None
+                 ) -> None:
+        """K slots of rank r. `cache_bytes` bounds the warm tier (engine/residency.py); `run(fn)` runs
+        fn on the engine thread (prefetched blocks are kept there; default: at once, on the caller's)."""
         if slots < 1 or rank < 1:
             raise LoramuxError(f"a slot bank needs slots ≥ 1 and slot_rank ≥ 1 (got {slots}, {rank})")
         self.model, self.K, self.r = model, slots, rank
@@ -177,6 +182,12 @@ class SlotBank:
         self.plan: MaskPlan | None = None
         self._views: dict[tuple[int | None, int | None, int], np.ndarray | None] = {}
         self.writes = 0
+        self._ranks: list[dict[str, int]] = [{} for _ in range(slots)]  # rank written per slot and target
+        self._host = self._host_views()
+        self._slot_view_cache: dict[tuple[str, int, int], tuple[np.ndarray, np.ndarray]] = {}
+        self.warm = WarmCache(cache_bytes)
+        self._run = run or (lambda fn: fn())
+        self.prefetcher = Prefetcher(self.warm, self.prepare, self._keep_warm)
         self.unplanned = 0  # bank nodes met with no plan (zeroed); a decode outside decode() did that
 
     # -- admission -----------------------------------------------------------------------------
@@ -266,20 +277,24 @@ class SlotBank:
         for s in self.slots:
             if s.adapter is adapter:
                 s.adapter, s.version, s.pinned = None, -1, False
+        self.warm.discard(adapter)
 
     def resident(self) -> list[str]:
         return [s.adapter.name for s in self.slots if s.adapter is not None]
 
     def _write(self, k: int, adapter: LoRAAdapter) -> None:
-        """Write `adapter` into slot k, all or nothing: checked completely first, then written."""
+        """Write `adapter` into slot k, all or nothing: checked completely first (or warm: checked when it
+        was prepared), then copied in."""
         version = adapter.version
-        arrays = self._slot_arrays(adapter)  # raises before anything changed
+        blocks = self.warm.get(adapter)
+        if blocks is None:
+            blocks = self.prepare(adapter)  # raises before anything changed
+            self.warm.put(blocks)
         s = self.slots[k]
         s.adapter, s.version, s.pinned = None, -1, False  # empty from here until the last tensor is in
-        r0 = k * self.r
         try:
-            for t, (a, b) in arrays.items():
-                self._put(self._facs[t], r0, a, b)
+            for t in self.targets:
+                self._put(k, t, blocks.blocks.get(t))
         except Exception as e:
             self._clear(k)
             raise BackendError("slot bank write", None, f"writing adapter {adapter.name!r} into slot {k} "
@@ -287,29 +302,32 @@ class SlotBank:
         s.adapter, s.version = adapter, version
         self.writes += 1
 
-    def _slot_arrays(self, adapter: LoRAAdapter) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-        """Every target's slot block (A (r, in), B (out, r), B scaled by the target's alpha/rank), checked."""
-        facs = adapter.all_factors()  # live factors (engine thread: inline)
+    def prepare(self, adapter: LoRAAdapter) -> SlotBlocks:
+        """The adapter's slot blocks (A (r_t, in), B (out, r_t) scaled by the target's alpha/rank), checked.
+
+        Any thread: the live factors are read on the engine thread (between decodes), the rest here.
+        Raises AdapterError naming every problem when they cannot go into a slot.
+        """
+        version = adapter.version
+        facs = adapter.all_factors()  # live factors (on the engine thread: inline)
         problems: list[str] = []
         out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         with np.errstate(over="ignore", invalid="ignore"):
-            for t in self.targets:
+            for t, (fa, fb) in facs.items():
+                if t not in self._target_set:
+                    continue
                 f = self._facs[t]
                 out_dim, in_dim = f.b_shape[0], f.a_shape[1]
-                a = np.zeros((self.r, in_dim), self._store)
-                b = np.zeros((out_dim, self.r), self._store)
-                if t in facs:
-                    fa, fb = facs[t]
-                    rt = fa.shape[0]
-                    if rt > self.r or fa.shape != (rt, in_dim) or fb.shape != (out_dim, rt):
-                        problems.append(f"{t}: A{fa.shape} B{fb.shape} do not fit a slot of rank {self.r} "
-                                        f"(A ({self.r}, {in_dim}) at most)")
-                        continue
-                    a[:rt] = fa
-                    b[:, :rt] = fb * np.float32(adapter.tensor_scaling(t))
-                    if not (np.isfinite(a).all() and np.isfinite(b).all()):
-                        problems.append(f"{t}: not finite in the bank's {np.dtype(self._store).name} "
-                                        f"after scaling B by alpha/rank = {adapter.tensor_scaling(t):g}")
+                rt = fa.shape[0]
+                if rt > self.r or fa.shape != (rt, in_dim) or fb.shape != (out_dim, rt):
+                    problems.append(f"{t}: A{fa.shape} B{fb.shape} do not fit a slot of rank {self.r} "
+                                    f"(A ({self.r}, {in_dim}) at most)")
+                    continue
+                a = np.ascontiguousarray(fa, self._store)
+                b = np.ascontiguousarray(fb * np.float32(adapter.tensor_scaling(t)), self._store)
+                if not (np.isfinite(a).all() and np.isfinite(b).all()):
+                    problems.append(f"{t}: not finite in the bank's {np.dtype(self._store).name} "
+                                    f"after scaling B by alpha/rank = {adapter.tensor_scaling(t):g}")
                 out[t] = (a, b)
         missing = [t for t in facs if t not in self._target_set]
         if missing:
@@ -319,23 +337,103 @@ class SlotBank:
             raise AdapterError(str(adapter.path), "cannot be written into a slot of the bank",
                                problems=problems[:5], name=adapter.name,
                                hint="the slot was left empty; serve this adapter without slots")
-        return out
+        return SlotBlocks(adapter.uid, version, adapter.name, out)
 
-    def _put(self, f: FactorTensors, r0: int, a: np.ndarray, b: np.ndarray) -> None:
-        in_dim, out_dim = a.shape[1], b.shape[0]
-        N.tensor_set(f.a, np.ascontiguousarray(a), offset=r0 * in_dim * self._esize)
-        N.tensor_set_2d(f.b, np.ascontiguousarray(b), offset=r0 * self._esize, row_bytes=self.r * self._esize,
-                        n_rows=out_dim, stride_tensor=self.width * self._esize)
+    def _put(self, k: int, t: str, block: tuple[np.ndarray, np.ndarray] | None) -> None:
+        """Slot k of target t := block (None: zeros). On host memory only the rows that change are
+        copied: the block's, and zeros where the slot's previous occupant had a higher rank there."""
+        old, r0 = self._ranks[k].get(t, 0), k * self.r
+        rt = 0 if block is None else block[0].shape[0]
+        if rt == 0 and old == 0:
+            return
+        self._ranks[k][t] = self.r  # unknown until the copy is complete (a failed write zeroes all)
+        views = self._host.get(t)
+        if views is not None:
+            va, vb = views
+            if rt:
+                sa, sb = self._slot_views(t, k, rt)
+                np.copyto(sa, block[0])  # type: ignore[index]
+                np.copyto(sb, block[1].view(sb.dtype))  # type: ignore[index]
+            if old > rt:
+                va[r0 + rt:r0 + old] = 0
+                vb[:, r0 + rt:r0 + old] = 0
+        else:  # not host memory (a device buffer): the whole slot, padded with zeros, in two transfers
+            f = self._facs[t]
+            a = np.zeros((self.r, f.a_shape[1]), self._store)
+            b = np.zeros((f.b_shape[0], self.r), self._store)
+            if rt:
+                a[:rt], b[:, :rt] = block  # type: ignore[misc]
+            N.tensor_set(f.a, a, offset=r0 * a.shape[1] * self._esize)
+            N.tensor_set_2d(f.b, b, offset=r0 * self._esize, row_bytes=self.r * self._esize,
+                            n_rows=b.shape[0], stride_tensor=self.width * self._esize)
+        self._ranks[k][t] = rt
+
+    def _host_views(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """numpy views of each target's bank A (width, in) and B (out, width) where they are host memory."""
+        views = {}
+        for t in self.targets:
+            f = self._facs[t]
+            places = [N.tensor_host_address(f.a), N.tensor_host_address(f.b)]
+            if places[0] is None or places[1] is None:
+                continue
+            (a_addr, _), (b_addr, _) = places  # type: ignore[misc]
+            na, nb = self.width * f.a_shape[1], f.b_shape[0] * self.width
+            views[t] = (N.host_bytes(a_addr, na * self._esize).view(self._store).reshape(self.width, f.a_shape[1]),
+                        N.host_bytes(b_addr, nb * self._esize).view(self._store).reshape(f.b_shape[0], self.width))
+        return views
+
+    def _slot_views(self, t: str, k: int, rt: int) -> tuple[np.ndarray, np.ndarray]:
+        """Where the first rt ranks of slot k of target t live: A rows (rt, in), and B's column block as
+        one (out, 1) item of rt values per output row (a copy of whole items is ~3× faster than of a
+        strided float block). Cached: at most targets × K × r views."""
+        key = (t, k, rt)
+        got = self._slot_view_cache.get(key)
+        if got is None:
+            va, vb = self._host[t]
+            r0, es = k * self.r, self._esize
+            row = vb.view(np.uint8)[:, r0 * es:(r0 + rt) * es]
+            got = self._slot_view_cache[key] = (va[r0:r0 + rt], row.view(np.dtype((np.void, rt * es))))
+        return got
 
     def _clear(self, k: int) -> None:
         """Zero slot k everywhere (best effort, after a failed write: it must hold only finite values)."""
+        self._ranks[k] = {t: self.r for t in self.targets}
         for t in self.targets:
-            f = self._facs[t]
             try:
-                self._put(f, k * self.r, np.zeros((self.r, f.a_shape[1]), self._store),
-                          np.zeros((f.b_shape[0], self.r), self._store))
+                self._put(k, t, None)
             except Exception:  # noqa: BLE001 - the slot stays marked empty: its rows are never selected
                 pass
+
+    def _keep_warm(self, adapter: LoRAAdapter, blocks: SlotBlocks) -> None:
+        """Keep prefetched blocks, on the engine thread, unless the adapter was unloaded meanwhile (its
+        forget() already ran there: nothing would ever drop them)."""
+        self._run(lambda: None if adapter.handle.closed else self.warm.put(blocks))
+
+    def prefetch(self, adapters: Sequence[LoRAAdapter]) -> None:
+        """Make these adapters warm in the background unless they are in a slot or warm already."""
+        for a in adapters:
+            if self.slot_of(a) is None and self.refusal(a) is None:
+                self.prefetcher.submit(a)
+
+    def _unique(self, sets: Sequence[AdapterSet]) -> list[LoRAAdapter] | None:
+        """The distinct adapters of these sets if admit() would bank them, else None (served natively)."""
+        uniq = list({a.uid: a for s in sets for a, _ in s.items}.values())
+        if len(uniq) > self.K or any(self.refusal(a) is not None for a in uniq):
+            return None
+        return uniq
+
+    def takes_new_slots(self, sets: Sequence[AdapterSet]) -> bool:
+        """Would admitting these sets write at least one slot (take a slot no one holds for them)?"""
+        uniq = self._unique(sets)
+        return uniq is not None and any(self.slot_of(a) is None for a in uniq)
+
+    def can_ever_admit(self, sets: Sequence[AdapterSet]) -> bool:
+        """Banked sets that fit once every running request released its slots (pinned slots stay)."""
+        uniq = self._unique(sets)
+        if uniq is None:
+            return False
+        free = sum(1 for s in self.slots if not s.pinned or any(s.adapter is a for a in uniq))
+        return len(uniq) <= free
 
     # -- masks ---------------------------------------------------------------------------------
     def decode(self, ctx: Context, entries: list[tuple[int, Sequence[tuple[int, float]]]]) -> None:
@@ -440,6 +538,8 @@ class SlotBank:
                                hint="llama.cpp's graph no longer matches the bank plan; serve without slots")
 
     def close(self) -> None:
+        self.prefetcher.close()
+        self._host, self._slot_view_cache = {}, {}
         self.adapter.close()
         self._dir.cleanup()
 
