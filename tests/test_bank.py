@@ -590,14 +590,14 @@ def test_mixed_rank_adapter_joins_running_requests(rank_pattern_engine):
 def test_failed_slot_write_fails_only_its_request_and_leaves_the_slot_empty(rank_pattern_engine, monkeypatch):
     """A slot write that fails half-way (the backend raising on a later tensor) fails that request alone
     with an error naming its adapter; the slot is left empty and free, and the next write takes it."""
-    from loramux.engine.bank import SlotBank
+    from loramux.engine.residency import SlotMemory
     from loramux.errors import BackendError
 
     eng = rank_pattern_engine
     toks = [eng.tokenize(p) for p in PROMPTS[:3]]
     running = eng.stream(toks[0], loras={"plain": 1.0}, max_tokens=40, ignore_eos=True)
     _wait_generating([running])
-    real, calls = SlotBank._put, []
+    real, calls = SlotMemory.put, []
 
     def flaky(self, k, t, block):  # the copy of one target into the slot (host memory or a device)
         if block is not None:
@@ -605,13 +605,13 @@ def test_failed_slot_write_fails_only_its_request_and_leaves_the_slot_empty(rank
             if len(calls) == 3:
                 raise RuntimeError("device lost")
         return real(self, k, t, block)
-    monkeypatch.setattr(SlotBank, "_put", flaky)
+    monkeypatch.setattr(SlotMemory, "put", flaky)
     failing = eng.stream(toks[1], loras={"mixed": 1.0}, max_tokens=8, ignore_eos=True)
     with pytest.raises(BackendError, match="'mixed'.*device lost"):
         _result(failing)
     states = eng.call(lambda: [(s.adapter.name if s.adapter else None, s.refs) for s in eng.bank.slots])
     assert ("plain", 1) in states and ("mixed", 0) not in states and states.count((None, 0)) == 3
-    monkeypatch.setattr(SlotBank, "_put", real)
+    monkeypatch.setattr(SlotMemory, "put", real)
     again = _result(eng.stream(toks[2], loras={"mixed": 1.0}, max_tokens=8, ignore_eos=True))
     comp = _result(running)
     assert len(comp.tokens) == 40 and sorted(eng.bank.resident()) == ["mixed", "plain"]

@@ -45,7 +45,7 @@ from .adapters import LoRAAdapter, delta_bound_problems
 from .factor_stage import FactorTensors
 from .model import Context, Model
 from .registry import AdapterSet
-from .residency import DEFAULT_CACHE_BYTES, Prefetcher, SlotBlocks, WarmCache
+from .residency import DEFAULT_CACHE_BYTES, Prefetcher, SlotBlocks, SlotMemory, WarmCache
 
 PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 VIEW_CACHE_MAX = 4096  # cached node views (a few per graph shape); cleared when exceeded
@@ -182,9 +182,7 @@ class SlotBank:
         self.plan: MaskPlan | None = None
         self._views: dict[tuple[int | None, int | None, int], np.ndarray | None] = {}
         self.writes = 0
-        self._ranks: list[dict[str, int]] = [{} for _ in range(slots)]  # rank written per slot and target
-        self._host = self._host_views()
-        self._slot_view_cache: dict[tuple[str, int, int], tuple[np.ndarray, np.ndarray]] = {}
+        self.memory = SlotMemory(self._facs, self.targets, slots, rank, self._store)
         self.warm = WarmCache(cache_bytes)
         self._run = run or (lambda fn: fn())
         self.prefetcher = Prefetcher(self.warm, self.prepare, self._keep_warm)
@@ -294,7 +292,7 @@ class SlotBank:
         s.adapter, s.version, s.pinned = None, -1, False  # empty from here until the last tensor is in
         try:
             for t in self.targets:
-                self._put(k, t, blocks.blocks.get(t))
+                self.memory.put(k, t, blocks.blocks.get(t))
         except Exception as e:
             self._clear(k)
             raise BackendError("slot bank write", None, f"writing adapter {adapter.name!r} into slot {k} "
@@ -339,70 +337,9 @@ class SlotBank:
                                hint="the slot was left empty; serve this adapter without slots")
         return SlotBlocks(adapter.uid, version, adapter.name, out)
 
-    def _put(self, k: int, t: str, block: tuple[np.ndarray, np.ndarray] | None) -> None:
-        """Slot k of target t := block (None: zeros). On host memory only the rows that change are
-        copied: the block's, and zeros where the slot's previous occupant had a higher rank there."""
-        old, r0 = self._ranks[k].get(t, 0), k * self.r
-        rt = 0 if block is None else block[0].shape[0]
-        if rt == 0 and old == 0:
-            return
-        self._ranks[k][t] = self.r  # unknown until the copy is complete (a failed write zeroes all)
-        views = self._host.get(t)
-        if views is not None:
-            va, vb = views
-            if rt:
-                sa, sb = self._slot_views(t, k, rt)
-                np.copyto(sa, block[0])  # type: ignore[index]
-                np.copyto(sb, block[1].view(sb.dtype))  # type: ignore[index]
-            if old > rt:
-                va[r0 + rt:r0 + old] = 0
-                vb[:, r0 + rt:r0 + old] = 0
-        else:  # not host memory (a device buffer): the whole slot, padded with zeros, in two transfers
-            f = self._facs[t]
-            a = np.zeros((self.r, f.a_shape[1]), self._store)
-            b = np.zeros((f.b_shape[0], self.r), self._store)
-            if rt:
-                a[:rt], b[:, :rt] = block  # type: ignore[misc]
-            N.tensor_set(f.a, a, offset=r0 * a.shape[1] * self._esize)
-            N.tensor_set_2d(f.b, b, offset=r0 * self._esize, row_bytes=self.r * self._esize,
-                            n_rows=b.shape[0], stride_tensor=self.width * self._esize)
-        self._ranks[k][t] = rt
-
-    def _host_views(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-        """numpy views of each target's bank A (width, in) and B (out, width) where they are host memory."""
-        views = {}
-        for t in self.targets:
-            f = self._facs[t]
-            places = [N.tensor_host_address(f.a), N.tensor_host_address(f.b)]
-            if places[0] is None or places[1] is None:
-                continue
-            (a_addr, _), (b_addr, _) = places  # type: ignore[misc]
-            na, nb = self.width * f.a_shape[1], f.b_shape[0] * self.width
-            views[t] = (N.host_bytes(a_addr, na * self._esize).view(self._store).reshape(self.width, f.a_shape[1]),
-                        N.host_bytes(b_addr, nb * self._esize).view(self._store).reshape(f.b_shape[0], self.width))
-        return views
-
-    def _slot_views(self, t: str, k: int, rt: int) -> tuple[np.ndarray, np.ndarray]:
-        """Where the first rt ranks of slot k of target t live: A rows (rt, in), and B's column block as
-        one (out, 1) item of rt values per output row (a copy of whole items is ~3× faster than of a
-        strided float block). Cached: at most targets × K × r views."""
-        key = (t, k, rt)
-        got = self._slot_view_cache.get(key)
-        if got is None:
-            va, vb = self._host[t]
-            r0, es = k * self.r, self._esize
-            row = vb.view(np.uint8)[:, r0 * es:(r0 + rt) * es]
-            got = self._slot_view_cache[key] = (va[r0:r0 + rt], row.view(np.dtype((np.void, rt * es))))
-        return got
-
     def _clear(self, k: int) -> None:
         """Zero slot k everywhere (best effort, after a failed write: it must hold only finite values)."""
-        self._ranks[k] = {t: self.r for t in self.targets}
-        for t in self.targets:
-            try:
-                self._put(k, t, None)
-            except Exception:  # noqa: BLE001 - the slot stays marked empty: its rows are never selected
-                pass
+        self.memory.clear(k)
 
     def _keep_warm(self, adapter: LoRAAdapter, blocks: SlotBlocks) -> None:
         """Keep prefetched blocks, on the engine thread, unless the adapter was unloaded meanwhile (its
@@ -539,7 +476,7 @@ class SlotBank:
 
     def close(self) -> None:
         self.prefetcher.close()
-        self._host, self._slot_view_cache = {}, {}
+        self.memory.close()
         self.adapter.close()
         self._dir.cleanup()
 
