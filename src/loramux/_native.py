@@ -685,6 +685,7 @@ class MatmulStops:
     was computed and must not raise (an error there would cut the graph short: it is logged and the
     node is left as computed, so the caller must check its own bookkeeping after the decode).
     Calling the object directly behaves like any `EvalCallback` (for tests and other contexts).
+    `src0` may be replaced between decodes (an empty set: no stops at all, the graph runs in one go).
     """
 
     __slots__ = ("on_node", "src0")
@@ -701,13 +702,13 @@ class MatmulStops:
 
 
 def _stops_trampoline(stops: MatmulStops) -> Callable[[int, bool, Any], bool]:
-    src0, on_node, mul_mat = stops.src0, stops.on_node, OP_MUL_MAT
+    on_node, mul_mat = stops.on_node, OP_MUL_MAT
     void_at, int_at, off_src0, off_op = _void_at, _int_at, _OFF_SRC0, _OFF_OP
 
     def trampoline(t: int, ask: bool, _user: Any) -> bool:
         try:
             if ask:  # the common case: one set lookup; the op is read only for a selected source
-                return void_at(t + off_src0).value in src0 and int_at(t + off_op).value == mul_mat
+                return void_at(t + off_src0).value in stops.src0 and int_at(t + off_op).value == mul_mat
             on_node(t)
         except Exception:  # noqa: BLE001 - never truncate the graph (see MatmulStops)
             log.exception("eval callback failed")
