@@ -146,6 +146,42 @@ def bench_system(label: str, argv: list[str], kind: str, adapters: list[str], ar
     return out
 
 
+def slot_loads(model: Path, work: Path, ranks: list[int], threads: int, repeats: int) -> list[list[str]]:
+    """In one process: a slot write of a loaded adapter prepared from scratch (read back, pad, scale,
+    check, copy) against one from the warm tier (the copy alone), per adapter rank; median and p90 ms."""
+    from loramux.engine.runtime import Engine
+
+    rows = []
+    for rank in ranks:
+        files = [work / f"slot-r{rank}-{k}.gguf" for k in range(2)]
+        shapes, arch = projection_shapes(model), read_header(model).architecture or "?"
+        for k, p in enumerate(files):
+            if not p.exists():
+                write_adapter(p, arch, random_factors(shapes, rank, 900 + k), float(rank), dtype="f32")
+        with Engine.load(model, n_ctx=256, n_parallel=1, n_threads=threads, slots=1, slot_rank=rank) as eng:
+            ads = [eng.load_lora(str(p), name=p.stem) for p in files]
+            cold = eng.call(lambda ads=ads: _time_slot_loads(eng.bank, ads, repeats, warm=False))
+            warm = eng.call(lambda ads=ads: _time_slot_loads(eng.bank, ads, repeats, warm=True))
+            size = eng.bank.prepare(ads[0]).nbytes
+        rows.append([str(rank), f"{size / 1e6:.1f}", f"{cold[len(cold) // 2]:.2f}", f"{warm[len(warm) // 2]:.2f}",
+                     f"{warm[int(0.9 * len(warm))]:.2f}", f"{cold[len(cold) // 2] / warm[len(warm) // 2]:.1f}×"])
+    return rows
+
+
+def _time_slot_loads(bank: Any, ads: list[Any], repeats: int, warm: bool) -> list[float]:
+    """ms of each slot load: one slot, two adapters taking turns, so every acquire writes the slot."""
+    out = []
+    for i in range(repeats):
+        a = ads[i % 2]
+        if not warm:
+            bank.warm.discard(a)
+        t0 = time.perf_counter()
+        k = bank.acquire(a)
+        out.append((time.perf_counter() - t0) * 1000)
+        bank.release(k)
+    return sorted(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     common_args(ap, repeats=1)
@@ -159,7 +195,18 @@ def main() -> None:
     ap.add_argument("--no-llama-server", action="store_true", help="skip the llama-server peer")
     ap.add_argument("--plot", default=str(REPO_ROOT / "benchmarks" / "results" / "many_adapters.png"),
                     help="where to write the throughput plot ('' = none)")
+    ap.add_argument("--slot-loads", action="store_true",
+                    help="only time slot loads from the loaded and the warm tier (in process), then exit")
     args = ap.parse_args()
+    if args.slot_loads:
+        work = Path(args.work_dir or tempfile.mkdtemp(prefix="loramux-many-"))
+        work.mkdir(parents=True, exist_ok=True)
+        print_machine(machine_info(args.threads))
+        rows = slot_loads(model_path(args.model), work, [8, 16], args.threads, max(20, args.repeats))
+        print_table("slot load of one adapter over all 126 projections (ms; F32 bank, slot rank = adapter rank)",
+                    ["rank", "warm blocks (MB)", "prepared (loaded tier)", "from warm, median", "from warm, p90",
+                     "speed-up"], rows)
+        return
     args.dists = [d for d in args.dists.split(",") if d]
     counts = [int(c) for c in args.counts.split(",") if c]
     model = model_path(args.model)

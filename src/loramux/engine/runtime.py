@@ -194,7 +194,10 @@ class Engine:
             else:
                 self._wake.wait(0.5)
                 self._wake.clear()
-        # commands queued after close() began are answered, never left hanging
+        self._refuse_queued()
+
+    def _refuse_queued(self) -> None:
+        """Commands queued after close() began are answered, never left hanging (e.g. a prefetch's read)."""
         while True:
             try:
                 item = self._commands.get_nowait()
@@ -515,6 +518,7 @@ class Engine:
             self._wake.set()
             self._thread.join()
         self._closed = True
+        self._refuse_queued()
         for c in (self.ctx, self._eval_ctx):
             if c is not None:
                 c.close()
