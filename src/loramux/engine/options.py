@@ -16,6 +16,7 @@ from ..errors import ParameterError
 KV_TYPES = ("f16", "f32", "bf16", "q8_0")
 #: Default bound of the slot bank's warm tier (engine/residency.py): ~65 rank-8 F32 adapters of Gemma 3 270M.
 DEFAULT_ADAPTER_CACHE_BYTES = 512 * 2**20
+BANK_NODE_ACCESS = ("auto", "device")  # see SlotBank: in place on host memory, else row transfers
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ class EngineOptions:
     slots: int = 0
     slot_rank: int = 16
     adapter_cache_bytes: int = DEFAULT_ADAPTER_CACHE_BYTES
+    bank_node_access: str = "auto"
     deterministic: bool = False
     kv_type: str = "f16"
 
@@ -56,6 +58,9 @@ class EngineOptions:
             problems.append(("adapter_cache_bytes", f"must be ≥ 0 (0 = no warm tier; got {self.adapter_cache_bytes})"))
         if self.n_threads is not None and self.n_threads < 1:
             problems.append(("n_threads", f"must be ≥ 1, or None for all cores (got {self.n_threads})"))
+        if self.bank_node_access not in BANK_NODE_ACCESS:
+            problems.append(("bank_node_access", f"must be one of {', '.join(BANK_NODE_ACCESS)} "
+                                                 f"(got {self.bank_node_access!r})"))
         if self.kv_type not in KV_TYPES:
             problems.append(("kv_type", f"must be one of {', '.join(KV_TYPES)} (got {self.kv_type!r})"))
         if problems:
@@ -96,4 +101,4 @@ def bank_size(n_parallel: int, ranks: Iterable[int] = ()) -> tuple[int, int]:
     return max(1, n_parallel), rank
 
 
-__all__ = ["DEFAULT_ADAPTER_CACHE_BYTES", "EngineOptions", "KV_TYPES", "bank_size"]
+__all__ = ["BANK_NODE_ACCESS", "DEFAULT_ADAPTER_CACHE_BYTES", "EngineOptions", "KV_TYPES", "bank_size"]

@@ -139,8 +139,12 @@ class Scheduler:
 
     def submit(self, req: Request) -> None:
         self.waiting.append(req)
-        if self.bank is not None:  # make its adapters warm while it waits (off this thread)
-            self.bank.prefetch([a for ph in req.phases for a, _ in ph.adapters.items])
+        if self.bank is not None and len(self.waiting) > self.slots.count(None):
+            self._prefetch(req)  # it will wait: make its adapters warm meanwhile (off this thread)
+
+    def _prefetch(self, req: Request) -> None:
+        assert self.bank is not None
+        self.bank.prefetch([a for ph in req.phases for a, _ in ph.adapters.items])
 
     def snapshot(self) -> dict[str, Any]:
         """Load figures for metrics. Safe from any thread: it reads copies, so values may be a step old."""
@@ -211,6 +215,7 @@ class Scheduler:
             if not admitted:
                 if r.blocked_step is None:
                     r.blocked_step, r.blocked_at = self.stats["decode_steps"], time.monotonic()
+                    self._prefetch(r)  # its slot load at admission is then a copy
                 blocked.append(r)  # its adapters wait for bank slots; later requests may still go
                 continue
             if r.slots:
@@ -357,6 +362,8 @@ class Scheduler:
         if r.sampler is None:
             tok = self.ctx.handle.argmax(idx)
         else:
+            if not self.ctx.handle.logits_finite(idx):  # a sampler would pick garbage from NaN silently
+                raise FloatingPointError(f"the logits of row {idx} are not finite (NaN or +Inf)")
             tok = r.sampler.sample(self.ctx.handle, idx)
             r.sampler.accept(tok)
         if r.first_token_at is None:
