@@ -89,3 +89,17 @@ def test_engine_load_request_unload_cycles_do_not_grow_rss(tiny_model, tmp_path)
                 marks.append(_rss())
         assert len(eng.bank.warm) == 0 and eng.bank.writes >= 600
     assert marks[-1] - base <= SLACK + base // 100, f"RSS {base} after 100 cycles, then every 100: {marks}"
+
+
+def test_bank_size_follows_parallel_and_the_start_adapters_ranks(tmp_path):
+    from loramux.engine.options import bank_size
+    from loramux.server.config import LoraEntry, ServerSettings
+
+    assert bank_size(8) == (8, 16)  # no rank known: the old default rank
+    assert bank_size(8, [8]) == (8, 8) and bank_size(4, [3, 12]) == (4, 16) and bank_size(2, [64]) == (2, 64)
+    files = [write_adapter(tmp_path / f"r{r}.gguf", "llama", random_factors(rank=r, seed=r), float(r)) for r in (4, 12)]
+    loras = tuple(LoraEntry(p.stem, str(p)) for p in files) + (LoraEntry("remote", "hf://o/r/x.gguf"),)
+    opts = ServerSettings(parallel=6, loras=loras).engine_options()
+    assert (opts.slots, opts.slot_rank) == (6, 16)  # the rank-12 file, rounded up; the remote one unread
+    opts = ServerSettings(parallel=6, slots=2, slot_rank=32, loras=loras).engine_options()
+    assert (opts.slots, opts.slot_rank) == (2, 32)  # given values win
