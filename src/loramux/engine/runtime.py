@@ -562,7 +562,7 @@ class TextStream(Iterator[str]):
         if self.completion is not None:
             raise StopIteration
         kind, value = self.request.events.get()
-        while kind == "logprobs":  # per-token scores also arrive in the Completion
+        while kind in ("logprobs", "prompt_logprobs"):  # scores also arrive in the Completion
             kind, value = self.request.events.get()
         if kind == "text":
             return value

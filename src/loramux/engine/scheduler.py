@@ -333,7 +333,7 @@ class Scheduler:
         of a prompt it generates nothing for)."""
         assert r.scoring is not None
         try:
-            r.scoring.collect(self.ctx.handle, r.prompt)
+            r.scoring.collect(self.ctx.handle, r.prompt, r.emit)
         except Exception as e:  # noqa: BLE001 - failure isolation, as for sampling
             log.exception("scoring failed for one request")
             self._finish(r, error=e if isinstance(e, LoramuxError) else RequestFailed(

@@ -42,6 +42,7 @@ class TokenLogprob:
     token: int
     logprob: float | None
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None  # 1 + the number of tokens strictly more likely (vLLM's rank)
 
 
 def row_logprob(row: np.ndarray, token: int, top_n: int = 0) -> TokenLogprob:
@@ -50,13 +51,14 @@ def row_logprob(row: np.ndarray, token: int, top_n: int = 0) -> TokenLogprob:
     m = r.max()
     lse = m + np.log(np.exp(r - m).sum())
     lp = -float(lse - r[token])  # the negation of token_nll's term, bit for bit
+    rank = int(np.count_nonzero(r > r[token])) + 1
     top: tuple[tuple[int, float], ...] = ()
     if top_n > 0:
         k = min(top_n, r.size)
         idx = np.argpartition(-r, k - 1)[:k]
         idx = idx[np.lexsort((idx, -r[idx]))]
         top = tuple((int(i), float(r[i] - lse)) for i in idx)
-    return TokenLogprob(int(token), lp, top)
+    return TokenLogprob(int(token), lp, top, rank)
 
 
 def check_top(name: str, value: int | None) -> int | None:
@@ -81,6 +83,7 @@ class Scoring:
     prompt: list[TokenLogprob] = field(default_factory=list)  # one per prompt token once prefilled
     generated: list[TokenLogprob] = field(default_factory=list)
     _rows: list[tuple[int, int]] = field(default_factory=list)  # (batch index, position) of this decode
+    _sent: bool = False  # the whole prompt is scored and was reported
 
     @classmethod
     def wanted(cls, prompt_top: int | None, gen_top: int | None) -> Scoring | None:
@@ -108,15 +111,19 @@ class Scoring:
             self._rows = [(batch_start + j, p) for j, p in enumerate(range(n_past, end)) if p + 1 < n_prompt]
         return out
 
-    def collect(self, ctx: N.ContextHandle, prompt: Sequence[int]) -> None:
-        """After a decode: turn this request's marked rows into logprobs of the prompt tokens they predict."""
-        if not self.scores_prompt:
+    def collect(self, ctx: N.ContextHandle, prompt: Sequence[int], emit: Callable[[str, Any], None]) -> None:
+        """After a decode: turn this request's marked rows into logprobs of the prompt tokens they predict;
+        once the whole prompt is scored, emit ("prompt_logprobs", entries) (a stream's echo shows them)."""
+        if not self.scores_prompt or self._sent:
             return
         if not self.prompt and prompt:
             self.prompt.append(TokenLogprob(int(prompt[0]), None))
         for idx, pos in self._rows:
             self.prompt.append(row_logprob(ctx.logits_row(idx), prompt[pos + 1], self.prompt_top or 0))
         self._rows = []
+        if len(self.prompt) == len(prompt):
+            self._sent = True
+            emit("prompt_logprobs", list(self.prompt))
 
     def on_token(self, ctx: N.ContextHandle, idx: int, token: int) -> TokenLogprob | None:
         """A sampled token: its logprob from row `idx` (before the sampler changed anything), if wanted."""

@@ -1,9 +1,9 @@
 """Request bodies of the OpenAI-compatible API, with loramux's extensions.
 
-Unknown OpenAI fields are ignored; fields we cannot honour (n > 1, logprobs, tools, logit_bias...)
-are refused with a 400 that names them, rather than silently ignored. Extensions, as in
-llama-server and vLLM: `lora` (per-request adapter stack), `control_vector`, `top_k`, `min_p`,
-`repeat_penalty`, `ignore_eos`, `return_token_ids`.
+Unknown OpenAI fields are ignored; fields we cannot honour (tools, logit_bias, suffix...) are refused
+with a 400 that names them, rather than silently ignored. Extensions, as in llama-server and vLLM:
+`lora` (per-request adapter stack), `control_vector`, `top_k`, `min_p`, `repeat_penalty`, `ignore_eos`,
+`return_token_ids`, `prompt_logprobs` (docs/scoring.md).
 """
 
 from __future__ import annotations
@@ -24,6 +24,10 @@ MAX_LORA_REFS = 32  # entries of a per-request `lora` list
 MAX_NAME_CHARS = 1024  # characters of a `model` or control vector name
 MAX_STRENGTH = 1000.0  # |control_vector.strength|
 MAX_INT32 = 2**31 - 1  # what llama.cpp's sampler takes for top_k
+MAX_TOP_LOGPROBS = 20  # logprobs / top_logprobs / prompt_logprobs alternatives per token (OpenAI's bound)
+MAX_PROMPTS = 64  # prompts of one /v1/completions request
+MAX_N = 16  # n and best_of
+MAX_CHOICES = 128  # sequences one request may run: prompts × best_of (or n)
 
 
 def _check_text(texts: Iterable[str], what: str) -> None:
@@ -79,7 +83,7 @@ class SamplingFields(_Body):
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     seed: int | None = None
     stop: str | list[str] | None = None
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
@@ -106,8 +110,6 @@ class SamplingFields(_Body):
     def unsupported(self) -> list[tuple[str, str]]:
         """(parameter, why) for every field set to something this server cannot do."""
         out = []
-        if self.n != 1:
-            out.append(("n", "only n=1 is supported; send several requests instead"))
         if self.logit_bias:
             out.append(("logit_bias", "logit_bias is not supported"))
         return out
@@ -131,21 +133,32 @@ class CompletionRequest(SamplingFields):
         _check_text(texts, "the prompt")
         return v
 
-    logprobs: int | None = None
-    best_of: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)  # vLLM's extension
+    best_of: int | None = Field(default=None, ge=1, le=MAX_N)
     suffix: str | None = None
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = super().unsupported()
-        if self.echo:
-            out.append(("echo", "echo is not supported"))
-        if self.logprobs:
-            out.append(("logprobs", "logprobs are not returned by this server"))
-        if self.best_of not in (None, 1):
-            out.append(("best_of", "only best_of=1 is supported"))
+        n_prompts = len(self.prompt_list())
+        if n_prompts > MAX_PROMPTS:
+            out.append(("prompt", f"at most {MAX_PROMPTS} prompts per request, got {n_prompts}"))
+        if self.best_of is not None and self.best_of < self.n:
+            out.append(("best_of", f"best_of ({self.best_of}) must be at least n ({self.n})"))
+        if self.best_of is not None and self.best_of > self.n and self.stream:
+            out.append(("best_of", "best_of > n cannot be streamed (the best are known only at the end)"))
+        if n_prompts * max(self.n, self.best_of or 1) > MAX_CHOICES:
+            out.append(("n", f"prompts × max(n, best_of) may be at most {MAX_CHOICES}"))
         if self.suffix:
             out.append(("suffix", "suffix (insertion) is not supported"))
         return out
+
+    def prompt_list(self) -> list[str | list[int]]:
+        """Every prompt of the request, in order: a string, or token ids."""
+        p: Any = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            return list(p)
+        return [p]
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt of this request (a string or token ids); several prompts are refused."""
@@ -197,7 +210,7 @@ class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(default=None, ge=0)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
@@ -205,8 +218,8 @@ class ChatRequest(SamplingFields):
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = super().unsupported()
-        if self.logprobs or self.top_logprobs:
-            out.append(("logprobs", "logprobs are not returned by this server"))
+        if self.top_logprobs is not None and not self.logprobs:
+            out.append(("top_logprobs", "top_logprobs needs logprobs: true"))
         if self.tools or self.functions or self.tool_choice not in (None, "none"):
             out.append(("tools", "tool calling is not supported"))
         if self.response_format and self.response_format.get("type") not in (None, "text"):
@@ -242,7 +255,7 @@ class AdapterScale(_Body):
     scale: float = 0.0
 
 
-__all__ = ["MAX_CONTENT_CHARS", "MAX_CONTENT_PARTS", "MAX_LORA_REFS", "MAX_MESSAGES", "MAX_NAME_CHARS",
-           "MAX_PROMPT_CHARS", "MAX_STOP", "MAX_STOP_CHARS", "MAX_STRENGTH", "AdapterScale", "ChatMessage",
+__all__ = ["MAX_CHOICES", "MAX_CONTENT_CHARS", "MAX_CONTENT_PARTS", "MAX_LORA_REFS", "MAX_MESSAGES", "MAX_N",
+           "MAX_NAME_CHARS", "MAX_PROMPTS", "MAX_PROMPT_CHARS", "MAX_TOP_LOGPROBS", "MAX_STOP", "MAX_STOP_CHARS", "MAX_STRENGTH", "AdapterScale", "ChatMessage",
            "ChatRequest", "CompletionRequest", "ControlRef",
            "LoadAdapterRequest", "LoraRef", "SamplingFields", "StreamOptions", "UnloadAdapterRequest"]
