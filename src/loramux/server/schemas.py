@@ -231,6 +231,44 @@ class ChatRequest(SamplingFields):
                 for m in self.messages]
 
 
+MAX_DETOKENIZE = 1 << 17  # token ids of one /detokenize request
+
+
+class TokenizeRequest(_Body):
+    """POST /tokenize: vLLM's body (`prompt` or chat `messages`) or llama-server's (`content`)."""
+
+    model: str | None = Field(default=None, max_length=MAX_NAME_CHARS)
+    prompt: str | None = Field(default=None, max_length=MAX_PROMPT_CHARS)
+    content: str | None = Field(default=None, max_length=MAX_PROMPT_CHARS)  # llama-server's name
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1, max_length=MAX_MESSAGES)
+    add_special_tokens: bool | None = None  # vLLM: BOS for a prompt (default true), none for messages
+    add_special: bool | None = None  # llama-server's name for the same
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False  # vLLM: also each token's text
+    with_pieces: bool = False  # llama-server: tokens as {"id", "piece"}
+
+    @field_validator("prompt", "content")
+    @classmethod
+    def _text(cls, v: str | None) -> str | None:
+        if v is not None:
+            _check_text([v], "the text")
+        return v
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        given = [k for k in ("prompt", "content", "messages") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of 'prompt', 'content' or 'messages'")
+        return self
+
+
+class DetokenizeRequest(_Body):
+    """POST /detokenize (vLLM's body; llama-server's is the same)."""
+
+    model: str | None = Field(default=None, max_length=MAX_NAME_CHARS)
+    tokens: list[int] = Field(max_length=MAX_DETOKENIZE)
+
+
 class LoadAdapterRequest(_Body):
     """POST /v1/load_lora_adapter (vLLM's body, plus `scale`, `replace` and `pinned`)."""
 
@@ -257,5 +295,5 @@ class AdapterScale(_Body):
 
 __all__ = ["MAX_CHOICES", "MAX_CONTENT_CHARS", "MAX_CONTENT_PARTS", "MAX_LORA_REFS", "MAX_MESSAGES", "MAX_N",
            "MAX_NAME_CHARS", "MAX_PROMPTS", "MAX_PROMPT_CHARS", "MAX_TOP_LOGPROBS", "MAX_STOP", "MAX_STOP_CHARS", "MAX_STRENGTH", "AdapterScale", "ChatMessage",
-           "ChatRequest", "CompletionRequest", "ControlRef",
+           "ChatRequest", "CompletionRequest", "ControlRef", "DetokenizeRequest", "MAX_DETOKENIZE", "TokenizeRequest",
            "LoadAdapterRequest", "LoraRef", "SamplingFields", "StreamOptions", "UnloadAdapterRequest"]
