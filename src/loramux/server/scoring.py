@@ -136,7 +136,8 @@ async def _start(state: ServerState, body: CompletionRequest | ChatRequest, chat
             for j in range(per):
                 extra: dict[str, Any] = {"logprobs": k_gen, "prompt_logprobs": k_prompt}
                 if body.seed is not None:
-                    extra["seed"] = (body.seed + j) & 0xFFFFFFFE  # each sequence its own, reproducible, seed
+                    seed = (body.seed + j) & 0xFFFFFFFF  # each sequence its own, reproducible, seed
+                    extra["seed"] = seed - (seed == 0xFFFFFFFF)  # llama.cpp reads that one as "random"
                 group.jobs.append(await generation.submit_job(state, sub, chat, None, tokens=toks, extra=extra))
     except BaseException:
         group.finish(499)
