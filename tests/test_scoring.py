@@ -55,6 +55,8 @@ def test_prompt_logprobs_are_exactly_the_negated_loss(engine, tiny_dir):
             assert math.fsum(math.exp(x) for x in lps) <= 1.0 + 1e-12
             assert (e.rank == 1) == (e.token == e.top[0][0]) or e.logprob == e.top[0][1]
     base = engine.score([toks])[0]
+    again = engine.score([toks])[0]  # the KV of the first is cached, but a scored prompt is decoded again
+    assert again == base
     with_a = engine.score([toks], loras={"a": 1.0})[0]
     assert [e.logprob for e in base] != [e.logprob for e in with_a]  # the adapter is really applied
 
