@@ -259,9 +259,9 @@ def test_chat_logprobs_with_bytes(srv):
 
 
 def test_streamed_logprobs_equal_the_whole_response(srv):
-    s, _ = srv
+    s, eng = srv
     c = client(s)
-    kw = dict(model="b", prompt=TEXT, max_tokens=6, temperature=0, logprobs=2, echo=True)
+    kw = dict(model="b", prompt=TEXT, max_tokens=6, temperature=0, logprobs=2, echo=True, extra_body={"ignore_eos": True})
     whole = c.completions.create(**kw).choices[0]
     tokens, lps, offsets, text = [], [], [], ""
     for chunk in c.completions.create(stream=True, **kw):
@@ -272,6 +272,7 @@ def test_streamed_logprobs_equal_the_whole_response(srv):
             lps += ch.logprobs.token_logprobs
             offsets += ch.logprobs.text_offset
     assert text == whole.text
+    assert len(whole.logprobs.tokens) == len(eng.tokenize(TEXT)) + 6  # every prompt token, then 6 generated
     assert tokens == whole.logprobs.tokens and lps == whole.logprobs.token_logprobs
     assert offsets == whole.logprobs.text_offset
     chat = dict(model="b", messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0,
