@@ -228,6 +228,22 @@ def test_several_prompts_n_and_best_of(srv):
     assert [ch["text"] for ch in chs] == [ch["text"] for ch in ranked[:2]]
 
 
+def test_n_sequences_share_the_prompt_kv(srv):
+    """n > 1: the prompt is decoded once; the other sequences share its KV (all but the last token, decoded
+    again for each one's own logits). Greedy: every sequence equals the single one."""
+    s, eng = srv
+    prompt = "the cat sat on the mat and the dog ran to"
+    n_prompt = len(eng.tokenize(prompt))
+    one = client(s).completions.create(model="a", prompt=prompt, max_tokens=5, temperature=0)
+    before = eng.stats()
+    r = client(s).completions.create(model="a", prompt=prompt, max_tokens=5, temperature=0, n=3)
+    after = eng.stats()
+    assert [ch.text for ch in r.choices] == [one.choices[0].text] * 3
+    reused = after["prompt_tokens_reused"] - before["prompt_tokens_reused"]
+    assert reused >= 2 * (n_prompt - 1), (reused, n_prompt)
+    assert after["batch_tokens"] - before["batch_tokens"] <= n_prompt + 2 + 3 * 5, "the prompt was decoded again"
+
+
 def test_prompt_logprobs_in_vllm_shape(srv):
     s, eng = srv
     toks = eng.tokenize("the cat sat")

@@ -388,8 +388,10 @@ class Engine:
 
     # ------------------------------------------------------------------ generation
     def submit(self, prompt: str | Sequence[int], *, loras: LoraArg = None, control: ControlArg = Inherit.ENGINE,
-               on_event: Callable[[str, Any], None] | None = None, **sampling: Any) -> Request:
-        """Queue a generation; events arrive on `request.events` (and `on_event`, on the engine thread)."""
+               on_event: Callable[[str, Any], None] | None = None, share: Request | None = None,
+               **sampling: Any) -> Request:
+        """Queue a generation; events arrive on `request.events` (and `on_event`, on the engine thread).
+        `share`: an earlier request on the same prompt and adapters whose prompt KV this one reuses (n > 1)."""
         params = SamplingParams(**sampling).validate()
         tokens = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         if not tokens:
@@ -401,7 +403,7 @@ class Engine:
             cv = self.control if control is Inherit.ENGINE else control
             phases, alora = _phases(aset, cv, tokens)
             req = Request(tokens, params, phases, alora, on_event=on_event,
-                          scoring=Scoring.wanted(params.prompt_logprobs, params.logprobs))
+                          scoring=Scoring.wanted(params.prompt_logprobs, params.logprobs), share=share)
             for a, _ in aset.items:
                 a.version  # noqa: B018 - fingerprint taken now; later writes make a new key
             if params.max_tokens == 0 and params.prompt_logprobs is None:

@@ -76,6 +76,7 @@ class Request:
     text: TextAssembler | None = None
     first_token_at: float | None = None
     scoring: Scoring | None = None  # logprobs wanted (prompt and/or generated tokens; see scoring.py)
+    share: Request | None = None  # n > 1: a sibling on the same prompt whose prompt KV this one shares
 
     def phase_at(self, pos: int) -> Phase:
         cur = self.phases[0]
@@ -196,6 +197,9 @@ class Scheduler:
         blocked: list[Request] = []
         while self.waiting and None in self.slots:
             r = self.waiting.pop(0)
+            if self._waits_for_sibling(r):
+                blocked.append(r)
+                continue
             try:
                 admitted = self._acquire_slots(r)
             except LoramuxError as e:  # e.g. its slot write failed: this request fails, no other
@@ -206,7 +210,10 @@ class Scheduler:
                 continue
             free = [i for i, s in enumerate(self.slots) if s is None]
             seq, keep = max(((i, self._reusable(i, r)) for i in free), key=lambda x: x[1])
-            if keep == 0 or not self.ctx.handle.memory_seq_rm(seq, keep, -1):
+            shared = self._share(r, seq)
+            if shared:
+                keep = shared
+            elif keep == 0 or not self.ctx.handle.memory_seq_rm(seq, keep, -1):
                 self.ctx.handle.memory_seq_rm(seq, -1, -1)
                 keep = 0
             r.seq, r.n_past = seq, keep
@@ -230,6 +237,35 @@ class Scheduler:
             ph.slot_scales = list(adm.scales[i]) if adm.banked else []
         r.slots = list(adm.slots)
         return True
+
+    def _shareable(self, r: Request) -> Request | None:
+        """The running sibling whose prompt KV `r` can share (unified KV, same prompt and adapters), or None."""
+        sib = r.share
+        if (sib is None or sib.seq is None or self.slots[sib.seq] is not sib or self.deterministic
+                or not self.ctx.opts.kv_unified or sib.prompt != r.prompt or sib.cache_key != r.cache_key
+                or (r.scoring is not None and r.scoring.scores_prompt)):
+            return None
+        return sib
+
+    def _waits_for_sibling(self, r: Request) -> bool:
+        """Hold `r` back while the sibling it will share with has not decoded its prompt yet."""
+        if r.share is None or (r.scoring is not None and r.scoring.scores_prompt):
+            return False
+        if any(w is r.share for w in self.waiting):
+            return True
+        sib = self._shareable(r)
+        return sib is not None and sib.n_past < len(sib.prompt) - 1
+
+    def _share(self, r: Request, seq: int) -> int:
+        """Give `r` its sibling's prompt KV but the last token (decoded again for its own logits)."""
+        sib = self._shareable(r)
+        n = len(r.prompt) - 1
+        if sib is None or n <= 0 or sib.n_past < n:
+            return 0
+        assert sib.seq is not None
+        self.ctx.handle.memory_seq_rm(seq, -1, -1)
+        N.memory_seq_cp(self.ctx.handle, sib.seq, seq, 0, n)
+        return n
 
     def _reusable(self, seq: int, r: Request) -> int:
         key, toks = self.slot_cache[seq]

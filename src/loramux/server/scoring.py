@@ -135,6 +135,8 @@ async def _start(state: ServerState, body: CompletionRequest | ChatRequest, chat
         for sub, toks in zip(subs, group.prompts):
             for j in range(per):
                 extra: dict[str, Any] = {"logprobs": k_gen, "prompt_logprobs": k_prompt}
+                if j:  # the sequences of one prompt share its KV (the engine decodes it once)
+                    extra["share"] = group.jobs[-j].request
                 if body.seed is not None:
                     seed = (body.seed + j) & 0xFFFFFFFF  # each sequence its own, reproducible, seed
                     extra["seed"] = seed - (seed == 0xFFFFFFFF)  # llama.cpp reads that one as "random"
