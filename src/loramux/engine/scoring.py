@@ -22,7 +22,7 @@ import numpy as np
 
 from ..errors import ParameterError
 
-if TYPE_CHECKING:  # annotations only: this module never loads llama.cpp itself
+if TYPE_CHECKING:
     from .. import _native as N
     from .registry import LoraArg
 
@@ -49,14 +49,16 @@ def row_logprob(row: np.ndarray, token: int, top_n: int = 0) -> TokenLogprob:
     """log p(token) from one row of logits, with the `top_n` most likely tokens."""
     r = row.astype(np.float64)
     m = r.max()
-    lse = m + np.log(np.exp(r - m).sum())
+    shifted = r - m
+    lse = m + np.log(np.exp(shifted, out=shifted).sum())  # token_nll's expression, without one temporary
     lp = -float(lse - r[token])  # the negation of token_nll's term, bit for bit
-    rank = int(np.count_nonzero(r > r[token])) + 1
+    # order questions are answered on the float32 row (float64 conversion is exact and monotone): half the bytes
+    rank = int(np.count_nonzero(row > row[token])) + 1
     top: tuple[tuple[int, float], ...] = ()
     if top_n > 0:
-        k = min(top_n, r.size)
-        idx = np.argpartition(-r, k - 1)[:k]
-        idx = idx[np.lexsort((idx, -r[idx]))]
+        k = min(top_n, row.size)
+        idx = np.argpartition(row, row.size - k)[row.size - k:]
+        idx = idx[np.lexsort((idx, -row[idx]))]
         top = tuple((int(i), float(r[i] - lse)) for i in idx)
     return TokenLogprob(int(token), lp, top, rank)
 
@@ -116,10 +118,11 @@ class Scoring:
         once the whole prompt is scored, emit ("prompt_logprobs", entries) (a stream's echo shows them)."""
         if not self.scores_prompt or self._sent:
             return
+        from .. import _native as N  # here, not at import: sampling.py imports this module without llama.cpp
         if not self.prompt and prompt:
             self.prompt.append(TokenLogprob(int(prompt[0]), None))
         for idx, pos in self._rows:
-            self.prompt.append(row_logprob(ctx.logits_row(idx), prompt[pos + 1], self.prompt_top or 0))
+            self.prompt.append(row_logprob(N.logits_view(ctx, idx), prompt[pos + 1], self.prompt_top or 0))
         self._rows = []
         if len(self.prompt) == len(prompt):
             self._sent = True
@@ -129,7 +132,8 @@ class Scoring:
         """A sampled token: its logprob from row `idx` (before the sampler changed anything), if wanted."""
         if self.gen_top is None:
             return None
-        entry = row_logprob(ctx.logits_row(idx), token, self.gen_top)
+        from .. import _native as N
+        entry = row_logprob(N.logits_view(ctx, idx), token, self.gen_top)
         self.generated.append(entry)
         return entry
 
