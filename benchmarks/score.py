@@ -10,8 +10,10 @@ threads and context:
   llama-cpp-python  `python -m llama_cpp.server`, one process per adapter (`--lora_path`; its server holds one
                     adapter per model), all four running at once: its best case on one machine
 
-Every system sees the same requests with the same concurrency; the answers (argmax over the choices) are
-compared between the systems, so a fast wrong one would show.
+Every system sees the same requests with the same concurrency, all servers are up at once and the repeats go
+round-robin over the systems (a shared machine's load changes hit every system alike); medians are reported.
+The answers (argmax over the choices) and the logprobs are compared between the systems, so a fast wrong one
+would show.
 
     python benchmarks/score.py                 # default Gemma 3 270M, 24 items
 """
@@ -173,26 +175,34 @@ def main() -> None:
                ("loramux rotation", lambda: loramux_server(model, adapters, args, 0))]
     if not args.no_llama_cpp:
         systems.append(("llama-cpp-python server", lambda: llama_cpp_servers(model, adapters, args)))
-    with httpx.Client(limits=httpx.Limits(max_connections=64)) as client:
-        for name, start in systems:
+    started: dict[str, list[Proc]] = {}
+    try:
+        for name, start in systems:  # all up at once (idle servers cost nothing), measured in turns
             procs = start()
-            procs = procs if isinstance(procs, list) else [procs]
-            try:
-                urls = [p.url for p in procs]
-                run = ((lambda w, urls=urls: score_loramux(urls[0], w, client)) if name.startswith("loramux")
-                       else (lambda w, urls=urls: score_llama_cpp(urls, w, client)))
+            started[name] = procs if isinstance(procs, list) else [procs]
+        with httpx.Client(limits=httpx.Limits(max_connections=64)) as client:
+            runs = {name: ((lambda w, urls=[p.url for p in procs]: score_loramux(urls[0], w, client))
+                           if name.startswith("loramux") else
+                           (lambda w, urls=[p.url for p in procs]: score_llama_cpp(urls, w, client)))
+                    for name, procs in started.items()}
+            for run in runs.values():
                 run(work[: 2 * N_ADAPTERS])  # warm-up: graphs reserved, slots written
-                times, lps = [], []
-                for _ in range(args.repeats):
+            times: dict[str, list[float]] = {name: [] for name in runs}
+            lps: dict[str, list[float]] = {}
+            for rep in range(args.repeats):  # round-robin: a load change on a shared machine hits every system
+                for name, run in runs.items():
                     t0 = time.perf_counter()
-                    lps = run(work)
-                    times.append(time.perf_counter() - t0)
-                results[name] = {"seconds": times, "items_s": args.items / median(times), "answers": answers(lps),
-                                 "logprobs": lps, "startup_s": max(p.startup for p in procs)}
-                print(f"{name}: {results[name]['items_s']:.2f} items/s (median of {args.repeats})", file=sys.stderr)
-            finally:
-                for p in procs:
-                    p.close()
+                    lps[name] = run(work)
+                    times[name].append(time.perf_counter() - t0)
+                    print(f"repeat {rep + 1}: {name} {args.items / times[name][-1]:.3f} items/s", file=sys.stderr)
+            for name in runs:
+                results[name] = {"seconds": times[name], "items_s": args.items / median(times[name]),
+                                 "answers": answers(lps[name]), "logprobs": lps[name],
+                                 "startup_s": max(p.startup for p in started[name])}
+    finally:
+        for procs in started.values():
+            for p in procs:
+                p.close()
     ref = results["loramux bank"]
     rows = []
     for name, r in results.items():
