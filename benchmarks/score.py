@@ -62,7 +62,11 @@ class Proc:
     def __init__(self, argv: list[str], port: int) -> None:
         self.url = f"http://127.0.0.1:{port}"
         self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        self.startup = _ready(self.url, self.proc)
+        try:
+            self.startup = _ready(self.url, self.proc)
+        except BaseException:
+            self.close()
+            raise
 
     def close(self) -> None:
         self.proc.terminate()
@@ -98,13 +102,18 @@ def loramux_server(model: Path, adapters: list[Path], args: argparse.Namespace, 
 
 
 def llama_cpp_servers(model: Path, adapters: list[Path], args: argparse.Namespace) -> list[Proc]:
-    out = []
-    for a in adapters:
-        port = free_port()
-        out.append(Proc([sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--lora_path", str(a),
-                         "--n_threads", str(args.threads), "--n_threads_batch", str(args.threads),
-                         "--n_ctx", str(args.n_ctx), "--logits_all", "true", "--port", str(port),
-                         "--host", "127.0.0.1"], port))
+    out: list[Proc] = []
+    try:
+        for a in adapters:
+            port = free_port()
+            out.append(Proc([sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--lora_path", str(a),
+                             "--n_threads", str(args.threads), "--n_threads_batch", str(args.threads),
+                             "--n_ctx", str(args.n_ctx), "--logits_all", "true", "--port", str(port),
+                             "--host", "127.0.0.1"], port))
+    except BaseException:  # one did not start: stop the others
+        for p in out:
+            p.close()
+        raise
     return out
 
 
