@@ -354,3 +354,60 @@ def test_tokenize_needs_the_api_key_like_completions(tiny_model, tiny_dir):
         assert httpx.post(s.url + "/tokenize", json={"prompt": "x"}).status_code == 401
         ok = httpx.post(s.url + "/tokenize", json={"prompt": "x"}, headers={"Authorization": "Bearer k"})
         assert ok.status_code == 200
+
+
+# ------------------------------------------------------------------------------------------ loramux eval
+EVAL_ITEMS = [{"prompt": "the cat sat on the", "choices": [" mat", " dog", " world"], "answer": 0},
+              {"prompt": "a big red", "choices": [" dog", " cat"], "answer": " cat"},
+              {"prompt": "hello", "reference": " world and the cat"}]
+
+
+def test_evaluate_scores_every_adapter_with_the_engines_numbers(tiny_model, tiny_dir, tmp_path):
+    from loramux.evaluate import evaluate, load_items
+
+    data = tmp_path / "items.jsonl"
+    data.write_text("\n".join(json.dumps(it) for it in EVAL_ITEMS) + "\n")
+    items = load_items(data)
+    assert items[1].answer == 1 and items[2].reference == " world and the cat"
+    eng = lm.Engine.load(tiny_model, n_ctx=256, n_parallel=4, slots=2, slot_rank=4, n_threads=2)
+    try:
+        eng.load_lora(tiny_dir / "a.gguf", "a")
+        eng.load_lora(tiny_dir / "b.gguf", "b")
+        sets = {"base": {}, "a": {"a": 1.0}, "b": {"b": 1.0}}
+        report = evaluate(eng, items, sets, batch=64)
+        assert [r.name for r in report.results] == ["base", "a", "b"] and report.sequences == 3 * 6
+        for r, loras in zip(report.results, sets.values()):
+            for it, got in zip(items, r.scores):
+                ctx = eng.tokenize(it.prompt)
+                for cont, lp in zip(it.continuations, got):
+                    toks = ctx + eng.tokenize(cont, add_bos=False)
+                    # alone, not in evaluate's mixed batch: equal within rounding of the bank's batching
+                    [entries] = eng.score([toks], loras=loras)
+                    assert lp == pytest.approx(sum(e.logprob for e in entries[len(ctx):]), rel=1e-4)
+            want = sum(max(range(len(s)), key=s.__getitem__) == it.answer for s, it in zip(r.scores, items)
+                       if it.choices)
+            assert r.correct == want and r.mc_items == 2
+        text = report.table()
+        assert "base" in text and "accuracy" in text and report.best().name in sets
+        png = report.plot(tmp_path / "p.png")
+        assert png is not None and png.read_bytes()[:4] == b"\x89PNG"
+    finally:
+        eng.close()
+
+
+def test_eval_cli_and_its_errors(tiny_model, tiny_dir, tmp_path, capsys):
+    from loramux.cli import main
+
+    data = tmp_path / "items.jsonl"
+    data.write_text("\n".join(json.dumps(it) for it in EVAL_ITEMS) + "\n")
+    rc = main(["eval", str(data), str(tiny_model), "--n-ctx", "256", "--threads", "2", "--slot-rank", "4",
+               "--lora", f"a={tiny_dir / 'a.gguf'}", "--lora", f"b={tiny_dir / 'b.gguf'}", "--json",
+               "--plot", str(tmp_path / "p.png")])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    res = json.loads(out.out)
+    assert [r["adapter"] for r in res["results"]] == ["base", "a", "b"] and (tmp_path / "p.png").is_file()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(EVAL_ITEMS[0]) + "\n" + '{"prompt": "x", "choices": ["a", "b"], "answer": 5}\n')
+    assert main(["eval", str(bad), str(tiny_model), "--n-ctx", "256"]) == 2
+    assert f"{bad}:2" in capsys.readouterr().err

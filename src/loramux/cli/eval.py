@@ -24,7 +24,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if dupes:
         raise ParameterError("--lora", f"two adapters are named {dupes[0]!r}", hint="name them: --lora NAME=SRC")
     slots = args.slots if args.slots is not None else len(specs)
-    opts = options_from_args(args, n_parallel=args.parallel, slots=slots)
+    opts = options_from_args(args, n_parallel=args.parallel, slots=slots, slot_rank=args.slot_rank)
     eng = Engine.load(args.model, options=opts)
     try:
         for s, n in zip(specs, names):
@@ -76,6 +76,8 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--no-base", action="store_true", help="do not score the base model itself")
     p.add_argument("--slots", type=int, default=None,
                    help="slot-bank slots (default: one per adapter, so all share each decode; 0: rotate)")
+    p.add_argument("--slot-rank", type=int, default=16, metavar="R",
+                   help="largest adapter rank a slot holds (default 16; a larger adapter is scored in turns)")
     p.add_argument("--parallel", type=int, default=8, help="sequences decoded together (default 8)")
     p.add_argument("--batch", type=int, default=64, help="sequences queued at a time (default 64)")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="bar chart of accuracy and NLL (matplotlib)")
