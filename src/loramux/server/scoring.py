@@ -89,14 +89,17 @@ class Group:
     def obj(self) -> str:
         return "chat.completion" if self.chat else "text_completion"
 
-    def finish(self, status: int, completions: list[Completion] | None = None) -> None:
-        """Release every job, the ticket, and record the request once; idempotent."""
+    def finish(self, status: int, completions: list[Completion] | None = None, *, record: bool = True) -> None:
+        """Release every job and the ticket, and record the request once (unless the caller records the
+        failure); idempotent."""
         if self.closed:
             return
         self.closed = True
         for j, c in zip(self.jobs, completions or [None] * len(self.jobs)):
             j.finish(status, c, record=False)
         self.ticket.release()
+        if not record:
+            return
         first = [j.request.first_token_at for j in self.jobs if j.request is not None and j.request.first_token_at]
         self.state.record(self.model, status, started=self.started, first_token_at=min(first) if first else None,
                           prompt_tokens=sum(len(p) for p in self.prompts),
@@ -142,7 +145,7 @@ async def _start(state: ServerState, body: CompletionRequest | ChatRequest, chat
                     extra["seed"] = seed - (seed == 0xFFFFFFFF)  # llama.cpp reads that one as "random"
                 group.jobs.append(await generation.submit_job(state, sub, chat, None, tokens=toks, extra=extra))
     except BaseException:
-        group.finish(499)
+        group.finish(499, record=False)  # respond() records the failure
         raise
     return group
 
