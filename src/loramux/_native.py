@@ -678,3 +678,22 @@ FTYPES: dict[str, int] = {
     for name in dir(C) if name.startswith("LLAMA_FTYPE_MOSTLY_")
 }
 FTYPES["F32"] = int(getattr(C, "LLAMA_FTYPE_ALL_F32", 0))
+
+
+# --------------------------------------------------------------------------------------------
+# Scoring and n > 1: sharing a prompt's KV between sequences
+# --------------------------------------------------------------------------------------------
+
+def memory_seq_cp(ctx: ContextHandle, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+    """Make sequence `dst` share the KV cells of `src` at positions [p0, p1) (no data is copied in a
+    unified cache: the cells gain `dst`'s id). Only for a unified KV cache: across per-sequence streams
+    llama.cpp supports whole-stream copies only."""
+    C.llama_memory_seq_cp(C.llama_get_memory(ctx.ptr), src, dst, p0, p1)
+
+
+def logits_view(ctx: ContextHandle, i: int) -> np.ndarray:
+    """The logits of output row `i` of the last batch, in place (no copy): valid until the next decode."""
+    ptr = C.llama_get_logits_ith(ctx.ptr, i)
+    if not ptr:
+        raise BackendError("llama_get_logits_ith", None, f"no logits for row {i}")
+    return np.ctypeslib.as_array(ptr, shape=(ctx.n_vocab,))
