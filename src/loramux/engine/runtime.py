@@ -28,6 +28,7 @@ from ..sources import resolve
 from .adapters import CheckedAdapter, LoRAAdapter
 from .bank import SlotBank
 from .control import ControlSetting, ControlSource
+from .grammar import ActiveGrammar, Grammar
 from .model import Context, ContextOptions, Model, default_threads
 from .options import EngineOptions
 from .registry import AdapterSet, LoraArg, Registry, check_scale
@@ -387,9 +388,15 @@ class Engine:
 
     # ------------------------------------------------------------------ generation
     def submit(self, prompt: str | Sequence[int], *, loras: LoraArg = None, control: ControlArg = Inherit.ENGINE,
-               on_event: Callable[[str, Any], None] | None = None, **sampling: Any) -> Request:
-        """Queue a generation; events arrive on `request.events` (and `on_event`, on the engine thread)."""
+               on_event: Callable[[str, Any], None] | None = None, grammar: Grammar | ActiveGrammar | None = None,
+               **sampling: Any) -> Request:
+        """Queue a generation; events arrive on `request.events` (and `on_event`, on the engine thread).
+
+        `grammar` constrains the output (see `loramux.engine.grammar`: JSON schemas, regexes, choices, GBNF);
+        a compiled `ActiveGrammar` is used by this request alone."""
         params = SamplingParams(**sampling).validate()
+        if isinstance(grammar, Grammar):
+            grammar = grammar.compile(self.model)
         tokens = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         if not tokens:
             raise ParameterError("prompt", "is empty")
@@ -399,7 +406,7 @@ class Engine:
             aset = self.registry.adapter_set(loras)
             cv = self.control if control is Inherit.ENGINE else control
             phases, alora = _phases(aset, cv, tokens)
-            req = Request(tokens, params, phases, alora, on_event=on_event)
+            req = Request(tokens, params, phases, alora, on_event=on_event, grammar=grammar)
             for a, _ in aset.items:
                 a.version  # noqa: B018 - fingerprint taken now; later writes make a new key
             if params.max_tokens == 0:

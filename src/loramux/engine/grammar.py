@@ -1,0 +1,389 @@
+"""Constrained output: JSON schemas, JSON mode, regular expressions, choices and GBNF grammars.
+
+Each constraint becomes one GBNF grammar, run by llama.cpp's grammar sampler (`_native.GrammarHandle`),
+checked lazily per token by the scheduler. JSON schemas go through llama-cpp-python's maintained port of
+llama.cpp's converter (`llama_cpp.llama_grammar.SchemaConverter`), extended here with what it lacks:
+integer and number bounds, and `pattern` through `regex_gbnf` (a documented subset).
+
+A *strict* schema (OpenAI's `strict: true`) is refused with a `GrammarError` naming every keyword the
+grammar cannot enforce, so that every finished output validates. A non-strict one is converted with
+those keywords left unenforced (docs/structured.md lists them).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .. import _native as N
+from ..errors import BackendError, GrammarError
+from .regex_gbnf import gbnf_literal, regex_to_gbnf
+
+if TYPE_CHECKING:
+    from .model import Model
+
+MAX_GRAMMAR_CHARS = 1 << 20  # a GBNF grammar or a converted schema
+MAX_SCHEMA_CHARS = 1 << 18  # a JSON schema, as JSON text
+MAX_CHOICES = 1024
+MAX_DIGITS = 15  # unbounded integer parts: at most this many digits, as llama.cpp's converter does
+
+# Keywords the grammar enforces (or that only annotate); any other one makes a strict schema a 400.
+_ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
+                "readOnly", "writeOnly", "$defs", "definitions", "discriminator", "strict", "name"}
+_ENFORCED = {"type", "properties", "required", "additionalProperties", "items", "prefixItems", "minItems",
+             "maxItems", "enum", "const", "anyOf", "oneOf", "$ref", "minLength", "maxLength", "pattern",
+             "format", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"}
+_FORMATS = {"date", "time", "date-time", "uuid", "uuid1", "uuid2", "uuid3", "uuid4", "uuid5"}
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """A GBNF grammar for one request, with the request field it came from (named by its errors)."""
+
+    gbnf: str
+    param: str
+    root: str = "root"
+
+    def compile(self, model: Model) -> ActiveGrammar:
+        """llama.cpp's grammar sampler for this grammar (`model`: an engine `Model`); a GrammarError if
+        llama.cpp cannot parse it. Safe on any thread: it only reads the vocabulary."""
+        if len(self.gbnf) > MAX_GRAMMAR_CHARS:
+            raise GrammarError(self.param, f"the grammar has {len(self.gbnf)} characters; at most "
+                                           f"{MAX_GRAMMAR_CHARS} are accepted")
+        try:
+            return ActiveGrammar(model, N.GrammarHandle.create(model.handle, self.gbnf, self.root))
+        except BackendError as e:
+            raise GrammarError(self.param, f"llama.cpp cannot use this grammar: {e.message}",
+                               hint="GBNF syntax: https://github.com/ggml-org/llama.cpp/blob/master/grammars/"
+                                    "README.md") from None
+
+
+class ActiveGrammar:
+    """One request's grammar state: llama.cpp's grammar sampler plus a UTF-8 guard.
+
+    llama.cpp's grammar reads a token's bytes as code points, and takes a stray UTF-8 continuation byte
+    (a byte-fallback token such as <0x80>) for a character of its own: unguarded, a string could come out
+    as invalid UTF-8. The guard bans such tokens unless a multi-byte character is open, and bans bytes
+    that never occur in UTF-8."""
+
+    def __init__(self, model: Model, handle: N.GrammarHandle) -> None:
+        self.model, self.handle = model, handle
+        self.bans = _utf8_bans(model)
+        self.need = 0  # continuation bytes the text still owes
+
+    def pick(self, ctx: N.ContextHandle, idx: int, chain: N.SamplerHandle | None) -> int:
+        return self.handle.pick(ctx, idx, chain, self.bans[self.need])
+
+    def accept(self, token: int) -> None:
+        self.handle.accept(token)
+        for b in self.model.handle.token_bytes(token):
+            if self.need and 0x80 <= b <= 0xBF:
+                self.need -= 1
+            else:
+                self.need = _lead_need(b)
+
+    def close(self) -> None:
+        self.handle.close()
+
+
+def _lead_need(b: int) -> int:
+    return 1 if 0xC2 <= b < 0xE0 else 2 if 0xE0 <= b < 0xF0 else 3 if 0xF0 <= b < 0xF5 else 0
+
+
+def _utf8_shape(b: bytes) -> tuple[int, bool]:
+    """(leading continuation bytes, whether the rest is well-formed UTF-8 up to a possibly open last char)."""
+    i = 0
+    while i < len(b) and 0x80 <= b[i] <= 0xBF:
+        i += 1
+    lead, need = i, 0
+    for x in b[i:]:
+        if need:
+            if not 0x80 <= x <= 0xBF:
+                return lead, False
+            need -= 1
+        elif x < 0x80:
+            continue
+        else:
+            need = _lead_need(x)
+            if not need:
+                return lead, False
+    return lead, True
+
+
+_BANS: weakref.WeakKeyDictionary[Any, list[np.ndarray]] = weakref.WeakKeyDictionary()
+_BANS_LOCK = threading.Lock()
+
+
+def _utf8_bans(model: Model) -> list[np.ndarray]:
+    """For each number of owed continuation bytes (0-3), the tokens that would break UTF-8 next; once per
+    model (about a second for a 262k vocabulary)."""
+    with _BANS_LOCK:
+        hit = _BANS.get(model)
+        if hit is None:
+            n = model.n_vocab
+            lead = np.zeros(n, dtype=np.int16)
+            size = np.zeros(n, dtype=np.int32)
+            ok = np.ones(n, dtype=bool)
+            for t in range(n):
+                b = model.handle.token_bytes(t)
+                size[t] = len(b)
+                if b and max(b) >= 0x80:
+                    lead[t], ok[t] = _utf8_shape(b)
+            hit = [~ok | (lead != 0)] + [~ok | (lead != np.minimum(size, k)) for k in (1, 2, 3)]
+            _BANS[model] = hit
+        return hit
+
+
+def gbnf(text: Any, param: str = "grammar") -> Grammar:
+    """A grammar given as GBNF text (llama-server's `grammar`, vLLM's `guided_grammar`), root rule `root`."""
+    if not isinstance(text, str) or not text.strip():
+        raise GrammarError(param, "must be a non-empty GBNF grammar (a string with a 'root ::= ...' rule)")
+    return Grammar(text, param)
+
+
+def json_object(param: str = "response_format") -> Grammar:
+    """OpenAI's JSON mode: any JSON object."""
+    from llama_cpp.llama_grammar import JSON_GBNF
+
+    return Grammar(JSON_GBNF, param)
+
+
+def choice(options: Any, param: str = "guided_choice") -> Grammar:
+    """Exactly one of these strings."""
+    if (not isinstance(options, (list, tuple)) or not options or len(options) > MAX_CHOICES
+            or not all(isinstance(o, str) and o for o in options)):
+        raise GrammarError(param, f"must be a list of 1 to {MAX_CHOICES} non-empty strings")
+    return Grammar("root ::= " + " | ".join(gbnf_literal(o) for o in dict.fromkeys(options)), param)
+
+
+def regex(pattern: Any, param: str = "guided_regex") -> Grammar:
+    """The whole output matches this regular expression (the subset in `regex_gbnf`)."""
+    return Grammar("root ::= " + regex_to_gbnf(pattern, param=param), param)
+
+
+def json_schema(schema: Any, *, param: str = "response_format", strict: bool = True) -> Grammar:
+    """Output that is JSON valid against `schema` (see the module docstring for `strict`)."""
+    rules, _ = schema_rules(schema, param=param, strict=strict, name="")
+    return Grammar(rules, param)
+
+
+def schema_rules(schema: Any, *, param: str, strict: bool, name: str) -> tuple[str, str]:
+    """GBNF rules for `schema` and the name of its top rule (`root` when `name` is empty), for callers that
+    build a larger grammar around one (tool calls)."""
+    if isinstance(schema, bool):
+        schema = {} if schema else None
+    if not isinstance(schema, dict):
+        raise GrammarError(param, "the JSON schema must be an object")
+    try:
+        size = len(json.dumps(schema))
+    except (TypeError, ValueError):
+        raise GrammarError(param, "the JSON schema is not JSON") from None
+    if size > MAX_SCHEMA_CHARS:
+        raise GrammarError(param, f"the JSON schema has {size} characters; at most {MAX_SCHEMA_CHARS}")
+    if strict:
+        bad = unenforced(schema)
+        if bad:
+            raise GrammarError(param, "this strict schema uses what constrained decoding cannot enforce: "
+                               + "; ".join(bad[:8]),
+                               hint="drop those keywords, or send strict: false to have them ignored")
+    conv = _Converter(param=param, strict=strict)
+    try:
+        resolved = conv.resolve_refs(schema, "request")
+        top = conv.visit(resolved, name)
+    except GrammarError:
+        raise
+    except (AssertionError, ValueError, KeyError, TypeError, RecursionError) as e:
+        raise GrammarError(param, f"the JSON schema cannot be converted to a grammar: {e}") from None
+    return conv.format_grammar(), top
+
+
+def unenforced(schema: Any, path: str = "$") -> list[str]:
+    """'path: keyword' for every keyword of `schema` the grammar would not enforce."""
+    out: list[str] = []
+    if not isinstance(schema, dict):
+        return out if isinstance(schema, bool) else [f"{path}: a schema must be an object"]
+    for k in schema:
+        if k not in _ENFORCED and k not in _ANNOTATIONS:
+            out.append(f"{path}: {k}")
+    fmt = schema.get("format")
+    if fmt is not None and fmt not in _FORMATS:
+        out.append(f"{path}: format {fmt!r} (enforced: {', '.join(sorted(_FORMATS))})")
+    if "pattern" in schema and ({"minLength", "maxLength", "format"} & set(schema)):
+        out.append(f"{path}: pattern together with minLength/maxLength/format")
+    if isinstance(schema.get("type"), list) and len(set(schema) & _ENFORCED) > 1:
+        out.append(f"{path}: a list of types together with other constraints (use anyOf)")
+    if "enum" in schema or "const" in schema:
+        return out  # the values are literal: nothing under them needs checking
+    out += _number_problems(schema, path)
+    for key in ("properties", "$defs", "definitions"):
+        for k, sub in (schema.get(key) or {}).items():
+            out += unenforced(sub, f"{path}.{key}.{k}" if key != "properties" else f"{path}.{k}")
+    for key in ("anyOf", "oneOf", "prefixItems"):
+        for i, sub in enumerate(schema.get(key) or ()):
+            out += unenforced(sub, f"{path}.{key}[{i}]")
+    for key in ("items", "additionalProperties"):
+        if isinstance(schema.get(key), dict):
+            out += unenforced(schema[key], f"{path}.{key}")
+    return out
+
+
+def _number_problems(schema: dict[str, Any], path: str) -> list[str]:
+    bounds = [k for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum") if k in schema]
+    if not bounds:
+        return []
+    if schema.get("type") not in ("integer", "number"):
+        return [f"{path}: {bounds[0]} without type integer or number"]
+    vals = [schema[k] for k in bounds]
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in vals):
+        return [f"{path}: {bounds[0]} must be a finite number"]
+    if schema["type"] == "number":
+        if any(float(v) != int(v) for v in vals):
+            return [f"{path}: a number bound that is not a whole number ({', '.join(bounds)})"]
+        if any(k.startswith("exclusive") for k in bounds):
+            return [f"{path}: exclusiveMinimum/exclusiveMaximum on a number (only on integers)"]
+    return []
+
+
+# ------------------------------------------------------------------------------ bounded numbers
+
+def _same_length(a: str, b: str) -> list[str]:
+    """GBNF sequences for the digit strings of one length from a to b."""
+    if a == b:
+        return [" ".join(f'"{c}"' for c in a)]
+    if len(a) == 1:
+        return [f"[{a}-{b}]"]
+    if a[0] == b[0]:
+        return [f'"{a[0]}" {p}' for p in _same_length(a[1:], b[1:])]
+    out, rest = [], len(a) - 1
+    lo_full, hi_full = int(a[0]), int(b[0])
+    if a[1:] != "0" * rest:
+        out += [f'"{a[0]}" {p}' for p in _same_length(a[1:], "9" * rest)]
+        lo_full += 1
+    tail = []
+    if b[1:] != "9" * rest:
+        tail = [f'"{b[0]}" {p}' for p in _same_length("0" * rest, b[1:])]
+        hi_full -= 1
+    if lo_full <= hi_full:
+        first = f'"{lo_full}"' if lo_full == hi_full else f"[{lo_full}-{hi_full}]"
+        out.append(first + f" [0-9]{{{rest}}}")
+    return out + tail
+
+
+def _natural_range(lo: int, hi: int | None) -> str:
+    """GBNF for the decimal naturals in [lo, hi] (hi None: unbounded), with no leading zeros."""
+    alts: list[str] = []
+    d = len(str(lo))
+    while hi is None or lo <= hi:
+        top = 10 ** d - 1
+        end = top if hi is None else min(hi, top)
+        alts += _same_length(str(lo), str(end))
+        if hi is None:
+            alts.append(f"[1-9] [0-9]{{{d},{MAX_DIGITS}}}")
+            break
+        lo, d = end + 1, d + 1
+    return "(" + " | ".join(alts) + ")"
+
+
+def integer_range(lo: int | None, hi: int | None) -> str:
+    """GBNF for the JSON integers in [lo, hi] (None: unbounded on that side)."""
+    alts = []
+    if hi is None or hi >= 0:
+        alts.append(_natural_range(max(lo, 0) if lo is not None else 0, hi))
+    if lo is None or lo < 0:
+        m_lo = 1 if hi is None or hi >= 0 else -hi
+        alts.append('"-" ' + _natural_range(m_lo, None if lo is None else -lo))
+    return "(" + " | ".join(alts) + ")"
+
+
+def number_range(lo: int | None, hi: int | None) -> str:
+    """GBNF for JSON numbers in [lo, hi] with whole-number bounds: a decimal point, no exponent."""
+    frac = '("." [0-9]{1,15})?'
+    zero_frac = '("." "0"{1,15})?'
+
+    def magnitude(a: int, b: int | None) -> list[str]:  # decimals in [a, b], a, b whole and ≥ 0
+        if b is None:
+            return [f"{_natural_range(a, None)} {frac}"]
+        out = [f"{_natural_range(a, b - 1)} {frac}"] if b > a else []
+        return out + [f"{_natural_range(b, b)} {zero_frac}"]
+    alts = []
+    if hi is None or hi >= 0:
+        alts += magnitude(max(lo, 0) if lo is not None else 0, hi)
+    if lo is None or lo < 0:
+        alts += ['"-" ' + m for m in magnitude(0 if hi is None or hi >= 0 else -hi, None if lo is None else -lo)]
+    return "(" + " | ".join(alts) + ")"
+
+
+def _converter_base() -> type:
+    from llama_cpp.llama_grammar import SchemaConverter
+
+    return SchemaConverter
+
+
+class _Converter(_converter_base()):  # type: ignore[misc]
+    """llama-cpp-python's SchemaConverter, plus numeric bounds and our regex subset for `pattern`."""
+
+    def __init__(self, *, param: str, strict: bool) -> None:
+        super().__init__(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
+        self.param, self.strict = param, strict
+
+    def visit(self, schema: Any, name: str) -> str:
+        from llama_cpp.llama_grammar import RESERVED_NAMES
+
+        if isinstance(schema, bool):
+            schema = {} if schema else {"not": {}}
+        if not isinstance(schema, dict):
+            raise GrammarError(self.param, f"a JSON schema must be an object, got {type(schema).__name__}")
+        rule_name = name + "-" if name in RESERVED_NAMES else name or "root"
+        t = schema.get("type")
+        if t in ("integer", "number") and not ({"enum", "const"} & set(schema)) and not _number_problems(
+                schema, "") and any(k in schema for k in ("minimum", "maximum", "exclusiveMinimum",
+                                                          "exclusiveMaximum")):
+            lo, hi = _bounds(schema, self.param)
+            body = integer_range(lo, hi) if t == "integer" else number_range(lo, hi)
+            return self._add_rule(rule_name, body + " space")
+        if t in (None, "string") and isinstance(schema.get("pattern"), str) and "enum" not in schema:
+            expr = regex_to_gbnf(schema["pattern"], param=self.param, json_string=True, anchored=False)
+            return self._add_rule(rule_name, f'"\\"" {expr} "\\"" space')
+        return super().visit(schema, name)
+
+    def format_grammar(self) -> str:
+        # Upstream's string character admits raw control characters, which JSON does not: a string holding a
+        # raw newline would not parse. Use the JSON grammar's definition.
+        char = self._rules.get("char")
+        if char is not None and char.startswith('[^"\\\\]'):
+            self._rules["char"] = '[^"\\\\\\x7F\\x00-\\x1F]' + char[len('[^"\\\\]'):]
+        return str(super().format_grammar())
+
+
+def _bounds(schema: dict[str, Any], param: str) -> tuple[int | None, int | None]:
+    lo = hi = None
+    if "minimum" in schema:
+        lo = math.ceil(schema["minimum"])
+    if "exclusiveMinimum" in schema:
+        v = math.floor(schema["exclusiveMinimum"]) + 1
+        lo = v if lo is None else max(lo, v)
+    if "maximum" in schema:
+        hi = math.floor(schema["maximum"])
+    if "exclusiveMaximum" in schema:
+        v = math.ceil(schema["exclusiveMaximum"]) - 1
+        hi = v if hi is None else min(hi, v)
+    if lo is not None and hi is not None and lo > hi:
+        raise GrammarError(param, f"the bounds leave no value (minimum {lo} > maximum {hi})")
+    return lo, hi
+
+
+def union(grammars: Sequence[str]) -> str:
+    """An alternation of GBNF expressions."""
+    return "(" + " | ".join(grammars) + ")"
+
+
+__all__ = ["ActiveGrammar", "MAX_CHOICES", "MAX_GRAMMAR_CHARS", "MAX_SCHEMA_CHARS", "Grammar", "choice", "gbnf",
+           "integer_range", "json_object", "json_schema", "number_range", "regex", "schema_rules", "union",
+           "unenforced"]
