@@ -175,33 +175,40 @@ def json_schema(schema: Any, *, param: str = "response_format", strict: bool = T
 
 
 def schema_rules(schema: Any, *, param: str, strict: bool, name: str) -> tuple[str, str]:
-    """GBNF rules for `schema` and the name of its top rule (`root` when `name` is empty), for callers that
-    build a larger grammar around one (tool calls)."""
-    if isinstance(schema, bool):
-        schema = {} if schema else None
-    if not isinstance(schema, dict):
-        raise GrammarError(param, "the JSON schema must be an object")
-    try:
-        size = len(json.dumps(schema))
-    except (TypeError, ValueError):
-        raise GrammarError(param, "the JSON schema is not JSON") from None
-    if size > MAX_SCHEMA_CHARS:
-        raise GrammarError(param, f"the JSON schema has {size} characters; at most {MAX_SCHEMA_CHARS}")
-    if strict:
-        bad = unenforced(schema)
-        if bad:
-            raise GrammarError(param, "this strict schema uses what constrained decoding cannot enforce: "
-                               + "; ".join(bad[:8]),
-                               hint="drop those keywords, or send strict: false to have them ignored")
+    """GBNF rules for `schema` and the name of its top rule (`root` when `name` is empty)."""
+    rules, names = schemas_rules({name: schema}, param=param, strict=strict)
+    return rules, names[name]
+
+
+def schemas_rules(schemas: dict[str, Any], *, param: str, strict: bool) -> tuple[str, dict[str, str]]:
+    """GBNF rules for several schemas in one grammar (rule names prefixed by their keys), and each one's top
+    rule: for callers that build a larger grammar around them (tool calls)."""
     conv = _Converter(param=param, strict=strict)
-    try:
-        resolved = conv.resolve_refs(schema, "request")
-        top = conv.visit(resolved, name)
-    except GrammarError:
-        raise
-    except (AssertionError, ValueError, KeyError, TypeError, RecursionError) as e:
-        raise GrammarError(param, f"the JSON schema cannot be converted to a grammar: {e}") from None
-    return conv.format_grammar(), top
+    tops = {}
+    for name, schema in schemas.items():
+        if isinstance(schema, bool):
+            schema = {} if schema else None
+        if not isinstance(schema, dict):
+            raise GrammarError(param, "the JSON schema must be an object")
+        try:
+            size = len(json.dumps(schema))
+        except (TypeError, ValueError):
+            raise GrammarError(param, "the JSON schema is not JSON") from None
+        if size > MAX_SCHEMA_CHARS:
+            raise GrammarError(param, f"the JSON schema has {size} characters; at most {MAX_SCHEMA_CHARS}")
+        if strict:
+            bad = unenforced(schema)
+            if bad:
+                raise GrammarError(param, "this strict schema uses what constrained decoding cannot enforce: "
+                                   + "; ".join(bad[:8]),
+                                   hint="drop those keywords, or send strict: false to have them ignored")
+        try:
+            tops[name] = conv.visit(conv.resolve_refs(schema, f"request-{name or 'root'}"), name)
+        except GrammarError:
+            raise
+        except (AssertionError, ValueError, KeyError, TypeError, RecursionError) as e:
+            raise GrammarError(param, f"the JSON schema cannot be converted to a grammar: {e}") from None
+    return conv.format_grammar(), tops
 
 
 def unenforced(schema: Any, path: str = "$") -> list[str]:
@@ -385,5 +392,5 @@ def union(grammars: Sequence[str]) -> str:
 
 
 __all__ = ["ActiveGrammar", "MAX_CHOICES", "MAX_GRAMMAR_CHARS", "MAX_SCHEMA_CHARS", "Grammar", "choice", "gbnf",
-           "integer_range", "json_object", "json_schema", "number_range", "regex", "schema_rules", "union",
+           "integer_range", "json_object", "json_schema", "number_range", "regex", "schema_rules", "schemas_rules", "union",
            "unenforced"]

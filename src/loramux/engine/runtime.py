@@ -27,12 +27,13 @@ from ..errors import AdapterError, ContextLengthError, EngineClosedError, Parame
 from ..sources import resolve
 from .adapters import CheckedAdapter, LoRAAdapter
 from .bank import SlotBank
+from .chat import ChatTemplate, special_texts, tokenize_chat
 from .control import ControlSetting, ControlSource
 from .grammar import ActiveGrammar, Grammar
 from .model import Context, ContextOptions, Model, default_threads
 from .options import EngineOptions
 from .registry import AdapterSet, LoraArg, Registry, check_scale
-from .sampling import Completion, SamplingParams, fallback_template, render_chat
+from .sampling import Completion, SamplingParams
 from .scheduler import Phase, Request, Scheduler
 
 T = TypeVar("T")
@@ -379,12 +380,22 @@ class Engine:
     def detokenize(self, tokens: Sequence[int]) -> str:
         return self.model.detokenize(tokens)
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
-        tmpl = self.model.chat_template or fallback_template(self.model.architecture)
-        h = self.model.handle
-        return render_chat(tmpl, messages, bos_token=self.model.token_text(h.bos) if h.bos >= 0 else "",
-                           eos_token=self.model.token_text(h.eos) if h.eos >= 0 else "",
-                           add_generation_prompt=add_generation_prompt)
+    def chat_template(self) -> ChatTemplate:
+        """The model's chat template (its GGUF's, or the family fallback; see chat.py)."""
+        return ChatTemplate.for_model(self.model)
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                            **options: Any) -> str:
+        """The prompt text for `messages`; `options`: continue_final_message, tools, kwargs (ChatTemplate.render)."""
+        bos, eos = special_texts(self.model)
+        return self.chat_template().render(messages, bos_token=bos, eos_token=eos,
+                                           add_generation_prompt=add_generation_prompt, **options)
+
+    def chat_tokens(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                    **options: Any) -> list[int]:
+        """The prompt tokens for `messages`: template markers as special tokens, message text never."""
+        text = self.apply_chat_template(messages, add_generation_prompt, **options)
+        return tokenize_chat(self.model, text, [str(m.get("content") or "") for m in messages])
 
     # ------------------------------------------------------------------ generation
     def submit(self, prompt: str | Sequence[int], *, loras: LoraArg = None, control: ControlArg = Inherit.ENGINE,
@@ -440,8 +451,7 @@ class Engine:
     def chat(self, messages: Sequence[Mapping[str, Any]], *, loras: LoraArg = None, stream: bool = False,
              **sampling: Any) -> Completion | TextStream:
         """One assistant turn, rendered with the model's chat template (sandboxed jinja2)."""
-        prompt = self.apply_chat_template(messages)
-        tokens = self.tokenize(prompt, add_bos=False)
+        tokens = self.chat_tokens(messages)
         s = self.stream(tokens, loras=loras, **sampling)
         return s if stream else s.consume()
 

@@ -1,6 +1,6 @@
 """Request bodies of the OpenAI-compatible API, with loramux's extensions.
 
-Unknown OpenAI fields are ignored; fields we cannot honour (n > 1, logprobs, tools, logit_bias...)
+Unknown OpenAI fields are ignored; fields we cannot honour (n > 1, logprobs, logit_bias...)
 are refused with a 400 that names them, rather than silently ignored. Extensions, as in
 llama-server and vLLM: `lora` (per-request adapter stack), `control_vector`, `top_k`, `min_p`,
 `repeat_penalty`, `ignore_eos`, `return_token_ids`.
@@ -65,6 +65,42 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+MAX_TOOLS = 128  # tools per request
+MAX_TOOL_CALLS = 128  # tool calls per assistant message
+
+
+class JsonSchemaFormat(_Body):
+    """`response_format.json_schema`: OpenAI's named schema, `strict` as OpenAI defines it."""
+
+    name: str = Field(default="response", max_length=MAX_NAME_CHARS)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    """`response_format`: text, JSON mode, or a JSON schema (llama-server's inline `schema` too)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+
+
+class StructuredOutputs(_Body):
+    """vLLM's `structured_outputs`: exactly one of json, regex, choice, grammar (or json_object)."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_fallback: bool | None = None
+    disable_any_whitespace: bool | None = None
+    disable_additional_properties: bool | None = None
+    whitespace_pattern: str | None = None
+    structural_tag: Any = None
+
+
 class SamplingFields(_Body):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -88,6 +124,17 @@ class SamplingFields(_Body):
     return_token_ids: bool = False
     lora: list[LoraRef] | None = Field(default=None, max_length=MAX_LORA_REFS)
     control_vector: ControlRef | None = None
+    # constrained output (server/structured.py): at most one of these per request
+    response_format: ResponseFormat | None = None
+    grammar: str | None = None  # llama-server: GBNF
+    json_schema: dict[str, Any] | None = None  # llama-server: a JSON schema
+    guided_json: dict[str, Any] | str | None = None  # vLLM (older names)
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     @field_validator("stop")
     @classmethod
@@ -110,6 +157,16 @@ class SamplingFields(_Body):
             out.append(("n", "only n=1 is supported; send several requests instead"))
         if self.logit_bias:
             out.append(("logit_bias", "logit_bias is not supported"))
+        if self.guided_decoding_backend:
+            out.append(("guided_decoding_backend", "loramux has one backend, llama.cpp's grammar sampler: drop it"))
+        if self.guided_whitespace_pattern:
+            out.append(("guided_whitespace_pattern", "a custom whitespace pattern is not supported"))
+        so = self.structured_outputs
+        if so is not None:
+            for name in ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern",
+                         "structural_tag"):
+                if getattr(so, name):
+                    out.append((f"structured_outputs.{name}", "is not supported"))
         return out
 
     def stops(self) -> tuple[str, ...]:
@@ -164,10 +221,50 @@ class TextPart(_Body):
     text: str | None = None
 
 
+class FunctionDef(_Body):
+    """A function tool: its name, description and parameters (a JSON schema)."""
+
+    name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionCall(_Body):
+    name: str = Field(max_length=128)
+    arguments: str = ""
+
+
+class ToolCall(_Body):
+    """An assistant message's tool call, as OpenAI returns it (and clients send it back)."""
+
+    id: str | None = Field(default=None, max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+    index: int | None = None
+
+
+class NamedFunction(_Body):
+    name: str = Field(max_length=128)
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = Field(default=None, max_length=MAX_TOOL_CALLS)
+    tool_call_id: str | None = Field(default=None, max_length=256)
+    refusal: str | None = None
 
     @field_validator("content")
     @classmethod
@@ -198,24 +295,41 @@ class ChatRequest(SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=0)
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    function_call: Any = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool = False
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = super().unsupported()
         if self.logprobs or self.top_logprobs:
             out.append(("logprobs", "logprobs are not returned by this server"))
-        if self.tools or self.functions or self.tool_choice not in (None, "none"):
-            out.append(("tools", "tool calling is not supported"))
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            out.append(("response_format", "only response_format {'type': 'text'} is supported"))
+        if self.functions or self.function_call is not None:
+            out.append(("functions", "the legacy functions/function_call API is not supported: send tools and "
+                                     "tool_choice"))
+        if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
+            out.append(("tool_choice", "needs tools"))
         return out
 
-    def message_dicts(self) -> list[dict[str, str]]:
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                for m in self.messages]
+    def message_dicts(self) -> list[dict[str, Any]]:
+        """Messages for the chat template: developer → system; tool calls with their arguments as text."""
+        out = []
+        for m in self.messages:
+            d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            if m.tool_calls:
+                d["tool_calls"] = [{"id": c.id, "type": "function",
+                                    "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                                   for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                d["tool_call_id"] = m.tool_call_id
+            if m.name is not None:
+                d["name"] = m.name
+            out.append(d)
+        return out
 
 
 class LoadAdapterRequest(_Body):
@@ -244,5 +358,6 @@ class AdapterScale(_Body):
 
 __all__ = ["MAX_CONTENT_CHARS", "MAX_CONTENT_PARTS", "MAX_LORA_REFS", "MAX_MESSAGES", "MAX_NAME_CHARS",
            "MAX_PROMPT_CHARS", "MAX_STOP", "MAX_STOP_CHARS", "MAX_STRENGTH", "AdapterScale", "ChatMessage",
-           "ChatRequest", "CompletionRequest", "ControlRef",
+           "ChatRequest", "CompletionRequest", "ControlRef", "FunctionCall", "FunctionDef", "JsonSchemaFormat",
+           "MAX_TOOLS", "MAX_TOOL_CALLS", "NamedToolChoice", "ResponseFormat", "StructuredOutputs", "Tool", "ToolCall",
            "LoadAdapterRequest", "LoraRef", "SamplingFields", "StreamOptions", "UnloadAdapterRequest"]
