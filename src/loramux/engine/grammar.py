@@ -12,6 +12,7 @@ those keywords left unenforced (docs/structured.md lists them).
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import threading
@@ -203,7 +204,8 @@ def schemas_rules(schemas: dict[str, Any], *, param: str, strict: bool) -> tuple
                                    + "; ".join(bad[:8]),
                                    hint="drop those keywords, or send strict: false to have them ignored")
         try:
-            tops[name] = conv.visit(conv.resolve_refs(schema, f"request-{name or 'root'}"), name)
+            # resolve_refs rewrites the schema in place: work on a copy, the caller keeps its own
+            tops[name] = conv.visit(conv.resolve_refs(copy.deepcopy(schema), f"request-{name or 'root'}"), name)
         except GrammarError:
             raise
         except (AssertionError, ValueError, KeyError, TypeError, RecursionError) as e:

@@ -1,0 +1,135 @@
+"""Constrained output on real llama.cpp (tiny model): every finished strict output parses and validates."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+import loramux as lm
+from loramux.engine import grammar as G
+from loramux.errors import GrammarError
+
+SCHEMAS = [
+    {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False},
+    {"type": "object", "properties": {"n": {"type": "integer", "minimum": -5, "maximum": 300},
+                                      "x": {"type": "number", "minimum": 0, "maximum": 1}},
+     "required": ["n", "x"]},
+    {"type": "object", "properties": {"e": {"enum": ["red", "green", 3, None]}, "c": {"const": "k"}},
+     "required": ["e", "c"]},
+    {"type": "object", "properties": {"l": {"type": "array", "items": {"type": "string", "maxLength": 3},
+                                            "minItems": 1, "maxItems": 3}}, "required": ["l"]},
+    {"type": "object", "properties": {"o": {"type": "object", "properties": {
+        "p": {"type": "boolean"}, "q": {"type": "string", "maxLength": 4}}, "required": ["p", "q"]}},
+     "required": ["o"]},
+    {"type": "object", "properties": {"v": {"anyOf": [{"type": "integer", "minimum": 10, "maximum": 99},
+                                                      {"type": "null"}]}}, "required": ["v"]},
+    {"type": "object", "properties": {"d": {"type": "string", "format": "date"},
+                                      "t": {"type": "string", "format": "time"},
+                                      "u": {"type": "string", "format": "uuid"}}, "required": ["d", "t", "u"]},
+    {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{2}-\\d{3}$"}},
+     "required": ["code"]},
+    {"type": "object", "properties": {"k": {"type": "integer", "exclusiveMinimum": 0, "exclusiveMaximum": 5}},
+     "required": ["k"]},
+    {"$defs": {"P": {"type": "object", "properties": {"z": {"type": "integer", "maximum": -3}}, "required": ["z"]}},
+     "type": "object", "properties": {"p": {"$ref": "#/$defs/P"}, "s": {"type": "string", "minLength": 2,
+                                                                        "maxLength": 3}}, "required": ["p", "s"]},
+]
+
+
+@pytest.fixture(scope="module")
+def eng(tiny_model):
+    e = lm.Engine.load(tiny_model, n_ctx=1024, n_threads=2)
+    yield e
+    e.close()
+
+
+@pytest.mark.parametrize("i", range(len(SCHEMAS)))
+def test_strict_schema_outputs_validate(eng, i):
+    schema = SCHEMAS[i]
+    finished = 0
+    for temperature, seed in [(0.0, 0), (0.8, 1), (1.5, 2), (1.5, 3)]:
+        c = eng.generate("the cat", grammar=G.json_schema(schema, strict=True), max_tokens=400,
+                         temperature=temperature, seed=seed)
+        if c.finish_reason == "stop":
+            finished += 1
+            value = json.loads(c.text)
+            jsonschema.validate(value, schema)
+            _check_formats(value, schema)
+    assert finished >= 2, "most runs should end inside max_tokens"
+
+
+FORMATS = {"date": r"\d{4}-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])",
+           "time": r"([01]\d|2[0-3]):[0-5]\d:[0-5]\d(\.\d{3})?(Z|[+-]([01]\d|2[0-3]):[0-5]\d)",
+           "uuid": r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}"}
+
+
+def _check_formats(value: object, schema: dict) -> None:
+    """The formats' shapes (the grammar, like llama.cpp's, checks a date's shape, not its calendar)."""
+    for k, sub in schema.get("properties", {}).items():
+        if "format" in sub:
+            assert re.fullmatch(FORMATS[sub["format"]], value[k]), (k, value[k])
+
+
+def test_regex_choice_and_gbnf(eng):
+    for seed in range(3):
+        c = eng.generate("the dog", grammar=G.regex(r"(ab|cd)+-\d{2,3}[x-z]?"), max_tokens=40, temperature=1.2,
+                         seed=seed)
+        assert re.fullmatch(r"(ab|cd)+-\d{2,3}[x-z]?", c.text), c.text
+        c = eng.generate("the dog", grammar=G.choice(["yes", "no", 'say "hi"']), max_tokens=10, temperature=1.0,
+                         seed=seed)
+        assert c.text in ("yes", "no", 'say "hi"')
+    c = eng.generate("the dog", grammar=G.gbnf('root ::= "x" [0-9]'), max_tokens=10)
+    assert re.fullmatch(r"x[0-9]", c.text)
+    c = eng.generate("the dog", grammar=G.json_object(), max_tokens=300, temperature=1.0, seed=4)
+    assert c.finish_reason != "stop" or isinstance(json.loads(c.text), dict)
+
+
+def test_constrained_and_unconstrained_share_a_batch_with_adapters(tiny_dir):
+    """Per request, any adapter set, through the slot bank: the constraint binds only its own request."""
+    e = lm.Engine.load(tiny_dir / "tiny.gguf", n_ctx=512, n_parallel=3, n_threads=2, slots=2, slot_rank=4)
+    try:
+        e.load_lora(tiny_dir / "a.gguf", "a")
+        e.load_lora(tiny_dir / "b.gguf", "b")
+        free = e.generate("the cat", loras={"a": 1.0}, max_tokens=12)
+        reqs = [e.stream("the cat", loras={"a": 1.0}, max_tokens=12),
+                e.stream("the cat", loras={"b": 1.0}, grammar=G.choice(["left", "right"]), max_tokens=12),
+                e.stream("the cat", grammar=G.regex(r"[0-9]{4}"), max_tokens=12)]
+        out = [r.consume() for r in reqs]
+        assert out[0].text == free.text
+        assert out[1].text in ("left", "right") and re.fullmatch(r"[0-9]{4}", out[2].text)
+    finally:
+        e.close()
+
+
+def test_strict_refuses_what_it_cannot_enforce():
+    with pytest.raises(GrammarError) as ei:
+        G.json_schema({"type": "object", "properties": {"a": {"type": "string", "format": "email"},
+                                                        "b": {"type": "array", "uniqueItems": True}}})
+    assert "format 'email'" in str(ei.value) and "uniqueItems" in str(ei.value)
+    G.json_schema({"type": "array", "uniqueItems": True}, strict=False)  # non-strict: converted, not enforced
+    for bad, what in [(r"a(?=b)", "lookahead"), (r"(a)\1", "backreference"), (r"\bx", "word boundary"),
+                      ("(?i)a", "inline flag"), ("a{2000}", "repetition")]:
+        with pytest.raises(GrammarError, match=what):
+            G.regex(bad)
+
+
+def test_integer_ranges_are_exact():
+    """The range grammar against Python, over a window, through llama.cpp's own grammar engine."""
+    from loramux.engine.model import Model
+    from tinymodel import write_tiny_model  # noqa: F401 - the model fixture path is enough
+
+    for lo, hi in [(0, 0), (3, 117), (-50, 20), (-7, -3), (None, 5), (12, None), (-120, None)]:
+        gram = "root ::= " + G.integer_range(lo, hi)
+        rx = _gbnf_to_regex(G.integer_range(lo, hi))
+        for v in range(-200, 201):
+            ok = (lo is None or v >= lo) and (hi is None or v <= hi)
+            assert bool(re.fullmatch(rx, str(v))) == ok, (lo, hi, v, gram)
+    del Model
+
+
+def _gbnf_to_regex(expr: str) -> str:
+    """The range grammar uses only quoted digits, classes, groups, | and {m,n}: a direct regex."""
+    return re.sub(r'"([^"]*)"', lambda m: re.escape(m.group(1)), expr).replace(" ", "")
