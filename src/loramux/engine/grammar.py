@@ -69,76 +69,102 @@ class Grammar:
 class ActiveGrammar:
     """One request's grammar state: llama.cpp's grammar sampler plus a UTF-8 guard.
 
-    llama.cpp's grammar reads a token's bytes as code points, and takes a stray UTF-8 continuation byte
-    (a byte-fallback token such as <0x80>) for a character of its own: unguarded, a string could come out
-    as invalid UTF-8. The guard bans such tokens unless a multi-byte character is open, and bans bytes
-    that never occur in UTF-8."""
+    llama.cpp's grammar reads a token's bytes as code points and is lenient about UTF-8: it takes a stray
+    continuation byte (a byte-fallback token such as <0x80>) for a character of its own, and accepts
+    overlong forms and surrogates. Unguarded, a string could come out as invalid UTF-8 (and then not parse
+    as JSON). The guard bans, at each step, the tokens whose bytes would make the text so far invalid."""
 
     def __init__(self, model: Model, handle: N.GrammarHandle) -> None:
         self.model, self.handle = model, handle
-        self.bans = _utf8_bans(model)
-        self.need = 0  # continuation bytes the text still owes
+        self.table = _utf8_table(model)
+        self.state: tuple[int, int, int] = (0, 0, 0)  # (continuation bytes owed, range of the next one)
 
     def pick(self, ctx: N.ContextHandle, idx: int, chain: N.SamplerHandle | None) -> int:
-        return self.handle.pick(ctx, idx, chain, self.bans[self.need])
+        return self.handle.pick(ctx, idx, chain, self.table.ban(self.state))
 
     def accept(self, token: int) -> None:
         self.handle.accept(token)
-        for b in self.model.handle.token_bytes(token):
-            if self.need and 0x80 <= b <= 0xBF:
-                self.need -= 1
-            else:
-                self.need = _lead_need(b)
+        self.state = _advance(self.state, self.model.handle.token_bytes(token))
 
     def close(self) -> None:
         self.handle.close()
 
 
-def _lead_need(b: int) -> int:
-    return 1 if 0xC2 <= b < 0xE0 else 2 if 0xE0 <= b < 0xF0 else 3 if 0xF0 <= b < 0xF5 else 0
+def _lead(b: int) -> tuple[int, int, int]:
+    """After a lead byte: (continuation bytes owed, the range the first of them must be in); need 0 for
+    ASCII, and -1 for a byte UTF-8 never uses there."""
+    if b < 0x80:
+        return 0, 0, 0
+    if 0xC2 <= b <= 0xDF:
+        return 1, 0x80, 0xBF
+    if 0xE0 <= b <= 0xEF:
+        return 2, 0xA0 if b == 0xE0 else 0x80, 0x9F if b == 0xED else 0xBF
+    if 0xF0 <= b <= 0xF4:
+        return 3, 0x90 if b == 0xF0 else 0x80, 0x8F if b == 0xF4 else 0xBF
+    return -1, 0, 0
 
 
-def _utf8_shape(b: bytes) -> tuple[int, bool]:
-    """(leading continuation bytes, whether the rest is well-formed UTF-8 up to a possibly open last char)."""
-    i = 0
-    while i < len(b) and 0x80 <= b[i] <= 0xBF:
-        i += 1
-    lead, need = i, 0
-    for x in b[i:]:
-        if need:
-            if not 0x80 <= x <= 0xBF:
-                return lead, False
-            need -= 1
-        elif x < 0x80:
-            continue
+def _advance(state: tuple[int, int, int], data: bytes) -> tuple[int, int, int]:
+    need, lo, hi = state
+    for b in data:
+        if need > 0:
+            need, lo, hi = need - 1, 0x80, 0xBF  # (checked by the ban before it was accepted)
         else:
-            need = _lead_need(x)
-            if not need:
-                return lead, False
-    return lead, True
+            need, lo, hi = _lead(b)
+            need = max(need, 0)
+    return need, lo, hi
 
 
-_BANS: weakref.WeakKeyDictionary[Any, list[np.ndarray]] = weakref.WeakKeyDictionary()
-_BANS_LOCK = threading.Lock()
+class _Utf8Table:
+    """Per token: its first bytes, its leading continuation bytes, and whether the rest is strict UTF-8."""
 
+    def __init__(self, model: Model) -> None:
+        import codecs
 
-def _utf8_bans(model: Model) -> list[np.ndarray]:
-    """For each number of owed continuation bytes (0-3), the tokens that would break UTF-8 next; once per
-    model (about a second for a 262k vocabulary)."""
-    with _BANS_LOCK:
-        hit = _BANS.get(model)
+        n = model.n_vocab
+        self.first = np.zeros(n, dtype=np.int16)
+        self.lead = np.zeros(n, dtype=np.int16)
+        self.size = np.zeros(n, dtype=np.int32)
+        self.ok = np.ones(n, dtype=bool)
+        for t in range(n):
+            b = model.handle.token_bytes(t)
+            self.size[t] = len(b)
+            if not b or max(b) < 0x80:
+                continue
+            self.first[t] = b[0]
+            i = 0
+            while i < len(b) and 0x80 <= b[i] <= 0xBF:
+                i += 1
+            self.lead[t] = i
+            try:
+                codecs.getincrementaldecoder("utf-8")("strict").decode(b[i:], final=False)
+            except UnicodeDecodeError:
+                self.ok[t] = False
+        self._bans: dict[tuple[int, int, int], np.ndarray] = {}
+
+    def ban(self, state: tuple[int, int, int]) -> np.ndarray:
+        hit = self._bans.get(state)
         if hit is None:
-            n = model.n_vocab
-            lead = np.zeros(n, dtype=np.int16)
-            size = np.zeros(n, dtype=np.int32)
-            ok = np.ones(n, dtype=bool)
-            for t in range(n):
-                b = model.handle.token_bytes(t)
-                size[t] = len(b)
-                if b and max(b) >= 0x80:
-                    lead[t], ok[t] = _utf8_shape(b)
-            hit = [~ok | (lead != 0)] + [~ok | (lead != np.minimum(size, k)) for k in (1, 2, 3)]
-            _BANS[model] = hit
+            need, lo, hi = state
+            if need == 0:
+                hit = ~self.ok | (self.lead != 0)
+            else:
+                hit = (~self.ok | (self.lead != np.minimum(self.size, need))
+                       | (self.first < lo) | (self.first > hi))
+            self._bans[state] = hit
+        return hit
+
+
+_TABLES: weakref.WeakKeyDictionary[Any, _Utf8Table] = weakref.WeakKeyDictionary()
+_TABLES_LOCK = threading.Lock()
+
+
+def _utf8_table(model: Model) -> _Utf8Table:
+    """Once per model (about a second for a 262k vocabulary), on the thread that compiles the first grammar."""
+    with _TABLES_LOCK:
+        hit = _TABLES.get(model)
+        if hit is None:
+            hit = _TABLES[model] = _Utf8Table(model)
         return hit
 
 
