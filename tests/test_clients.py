@@ -77,7 +77,14 @@ def test_langchain_bind_tools(srv):
 
 
 def test_agents_sdk_calls_a_function_tool_and_uses_its_result(srv):
-    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
     from openai import AsyncOpenAI
 
     set_tracing_disabled(True)
