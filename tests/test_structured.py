@@ -73,6 +73,27 @@ def _check_formats(value: object, schema: dict) -> None:
             assert re.fullmatch(FORMATS[sub["format"]], value[k]), (k, value[k])
 
 
+@pytest.mark.parametrize("penalty", [1.0, 1.3])
+def test_lazy_checks_equal_masking_every_token(eng, monkeypatch, penalty):
+    """Greedy (plain, or through the sampler chain with a penalty): the chosen token checked first, the scan of
+    the best few, then the full pass give the same tokens as masking the whole vocabulary before every choice.
+    (Sampled runs draw their random numbers differently on a rejection, so only their validity is exact.)"""
+    from loramux import _native as N
+
+    def run() -> list[list[int]]:
+        out = []
+        for i, schema in enumerate(SCHEMAS):
+            for prompt in ("the cat", "hello world"):
+                out.append(eng.generate(prompt, grammar=G.json_schema(schema), max_tokens=60,
+                                        temperature=0, repeat_penalty=penalty).tokens)
+        out.append(eng.generate("a dog", grammar=G.regex(r"[a-z ]{3,30}\."), max_tokens=40,
+                                temperature=0, repeat_penalty=penalty).tokens)
+        return out
+    lazy = run()
+    monkeypatch.setattr(N.GrammarHandle, "lazy", False)
+    assert run() == lazy
+
+
 def test_regex_choice_and_gbnf(eng):
     for seed in range(3):
         c = eng.generate("the dog", grammar=G.regex(r"(ab|cd)+-\d{2,3}[x-z]?"), max_tokens=40, temperature=1.2,

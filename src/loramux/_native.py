@@ -673,6 +673,7 @@ FTYPES["F32"] = int(getattr(C, "LLAMA_FTYPE_ALL_F32", 0))
 # Grammar-constrained sampling (structured output, tool calls)
 # --------------------------------------------------------------------------------------------
 
+GREEDY_SCAN = 64  # greedy: allowed-token checks before a full grammar pass over the vocabulary
 _TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)], align=True)
 _grammar_log = threading.local()  # llama.cpp's parse messages, collected on the creating thread
 
@@ -689,6 +690,8 @@ class GrammarHandle(_Handle):
     and only a rejected choice pays for a pass of the grammar over the whole vocabulary."""
 
     _free = staticmethod(C.llama_sampler_free)
+    #: False: mask the whole vocabulary for every token (the reference the lazy checks must equal)
+    lazy = True
 
     @classmethod
     def create(cls, model: ModelHandle, gbnf: str, root: str = "root") -> GrammarHandle:
@@ -743,8 +746,12 @@ class GrammarHandle(_Handle):
         else:
             cand = self._candidates(ctx, idx)
             tok = int(cand["id"][self._apply(chain.ptr, cand)])
-        if (ban is None or not ban[tok]) and self.allows(tok):
+        if self.lazy and (ban is None or not ban[tok]) and self.allows(tok):
             return tok
+        if chain is None and self.lazy:  # greedy: the best allowed token is nearly always among the best few
+            best = self._best_allowed(ctx, idx, ban, GREEDY_SCAN)
+            if best is not None:
+                return best
         cand = self._candidates(ctx, idx)
         self._apply(self.ptr, cand)  # rejected: mask the whole vocabulary (in id order), then choose again
         if ban is not None:
@@ -754,6 +761,22 @@ class GrammarHandle(_Handle):
         if chain is None:
             return int(cand["logit"].argmax())
         return int(cand["id"][self._apply(chain.ptr, cand)])
+
+    def _best_allowed(self, ctx: ContextHandle, idx: int, ban: np.ndarray | None, k: int) -> int | None:
+        """The highest-logit token the grammar allows among the `k` best (ties: the lowest id, as argmax over
+        the masked vocabulary would pick), or None to fall back to the full pass."""
+        ptr = C.llama_get_logits_ith(ctx.ptr, idx)
+        if not ptr:
+            raise BackendError("llama_get_logits_ith", None, f"no logits for row {idx}")
+        row = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+        top = np.sort(np.argpartition(row, -k)[-k:])
+        kth = row[top].min()
+        for t in top[np.argsort(-row[top], kind="stable")]:
+            if row[t] == kth and (row > kth).sum() + (row == kth).sum() > k:
+                return None  # ties at the edge of the window: a token outside it could rank the same
+            if (ban is None or not ban[t]) and self.allows(int(t)):
+                return int(t)
+        return None
 
     def accept(self, token: int) -> None:
         """Advance the grammar by a token it allows (never pass one `allows` refused: llama.cpp aborts)."""
