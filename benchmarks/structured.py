@@ -20,8 +20,18 @@ import time
 from typing import Any
 
 import httpx
-from _common import common_args, dump_json, fmt, machine_info, median, model_path, peer_binary, print_machine, \
-    print_table, ratio
+from _common import (
+    common_args,
+    dump_json,
+    fmt,
+    machine_info,
+    median,
+    model_path,
+    peer_binary,
+    print_machine,
+    print_table,
+    ratio,
+)
 from serve import Server
 
 SCHEMA = {

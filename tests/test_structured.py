@@ -82,7 +82,7 @@ def test_lazy_checks_equal_masking_every_token(eng, monkeypatch, penalty):
 
     def run() -> list[list[int]]:
         out = []
-        for i, schema in enumerate(SCHEMAS):
+        for schema in SCHEMAS:
             for prompt in ("the cat", "hello world"):
                 out.append(eng.generate(prompt, grammar=G.json_schema(schema), max_tokens=60,
                                         temperature=0, repeat_penalty=penalty).tokens)
