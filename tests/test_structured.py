@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 
+import httpx
 import jsonschema
 import pytest
 
@@ -165,3 +166,111 @@ def test_number_ranges_are_exact(eng):
     for text, ok in [("0", True), ("-2", True), ("-2.0", True), ("-2.5", False), ("3", True), ("3.00", True),
                      ("3.01", False), ("2.999", True), ("-0.5", True), ("1e3", False), ("4", False)]:
         assert _accepts(eng.model, gram, text) == ok, text
+
+
+def test_bad_constraints_are_grammar_errors():
+    with pytest.raises(GrammarError, match="repetition count of 5000"):
+        G.gbnf('root ::= "a"{5000}')
+    G.gbnf('root ::= "{99999}" [{}] # {7777}\n')  # counts inside literals, classes and comments are text
+    for bad in [{"type": "array", "items": "x"}, {"properties": {"a": 3}}, {"$ref": "#/nowhere"},
+                {"anyOf": "x"}, [], "x"]:
+        with pytest.raises(GrammarError):
+            G.json_schema(bad, strict=False)
+    deep: dict = {}
+    cur = deep
+    for _ in range(5000):
+        cur["items"] = {}
+        cur = cur["items"]
+    for strict in (True, False):
+        with pytest.raises(GrammarError, match="deep|cannot be converted"):
+            G.json_schema(deep, strict=strict)
+    with pytest.raises(GrammarError):
+        G.choice([])
+    with pytest.raises(GrammarError, match="no value"):
+        G.json_schema({"type": "integer", "minimum": 5, "maximum": 2})
+
+
+# ------------------------------------------------------------------------------------------ over HTTP
+@pytest.fixture(scope="module")
+def srv(tiny_model):
+    from test_server import serving
+
+    with serving(tiny_model, n_ctx=1024, parallel=2) as s:
+        yield s[0]
+
+
+SMALL = {"type": "object", "properties": {"k": {"enum": ["x", "y"]}, "n": {"type": "integer", "minimum": 0,
+                                                                          "maximum": 9}},
+         "required": ["k", "n"], "additionalProperties": False}
+FIELDS = [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": SMALL, "strict": True}}},
+     lambda t: jsonschema.validate(json.loads(t), SMALL)),
+    ({"response_format": {"type": "json_schema", "schema": SMALL}}, lambda t: jsonschema.validate(json.loads(t), SMALL)),
+    ({"json_schema": SMALL}, lambda t: jsonschema.validate(json.loads(t), SMALL)),
+    ({"guided_json": json.dumps(SMALL)}, lambda t: jsonschema.validate(json.loads(t), SMALL)),
+    ({"structured_outputs": {"json": SMALL}}, lambda t: jsonschema.validate(json.loads(t), SMALL)),
+    ({"grammar": 'root ::= "ok" [0-9]'}, lambda t: re.fullmatch(r"ok[0-9]", t) or pytest.fail(t)),
+    ({"guided_grammar": 'root ::= "ok" [0-9]'}, lambda t: re.fullmatch(r"ok[0-9]", t) or pytest.fail(t)),
+    ({"structured_outputs": {"grammar": 'root ::= "ok" [0-9]'}}, lambda t: re.fullmatch(r"ok[0-9]", t) or pytest.fail(t)),
+    ({"guided_regex": r"[a-c]{2}\d"}, lambda t: re.fullmatch(r"[a-c]{2}\d", t) or pytest.fail(t)),
+    ({"structured_outputs": {"regex": r"[a-c]{2}\d"}}, lambda t: re.fullmatch(r"[a-c]{2}\d", t) or pytest.fail(t)),
+    ({"guided_choice": ["left", "right"]}, lambda t: t in ("left", "right") or pytest.fail(t)),
+    ({"structured_outputs": {"choice": ["left", "right"]}}, lambda t: t in ("left", "right") or pytest.fail(t)),
+]
+
+
+@pytest.mark.parametrize("i", range(len(FIELDS)))
+def test_every_constraint_field_is_honoured_streamed_or_not(srv, i):
+    fields, check = FIELDS[i]
+    for path, key in (("/v1/chat/completions", "messages"), ("/v1/completions", "prompt")):
+        body = {key: [{"role": "user", "content": "the cat"}] if key == "messages" else "the cat",
+                "max_tokens": 120, "temperature": 0.7, "seed": 11, **fields}
+        r = httpx.post(srv.url + path, json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        ch = r.json()["choices"][0]
+        text = ch["message"]["content"] if key == "messages" else ch["text"]
+        assert ch["finish_reason"] == "stop", text
+        check(text)
+        streamed = []
+        with httpx.stream("POST", srv.url + path, json={**body, "stream": True}, timeout=120) as s:
+            for line in s.iter_lines():
+                if line.startswith("data: {"):
+                    c = json.loads(line[6:])["choices"][0]
+                    streamed.append((c.get("delta") or {}).get("content") or c.get("text") or "")
+        assert "".join(streamed) == text
+
+
+def test_json_object_mode(srv):
+    for seed in range(4):
+        r = httpx.post(srv.url + "/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"},
+            "max_tokens": 300, "temperature": 1.0, "seed": seed}, timeout=120)
+        ch = r.json()["choices"][0]
+        if ch["finish_reason"] == "stop":
+            assert isinstance(json.loads(ch["message"]["content"]), dict)
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"guided_regex": "a(?!b)"}, "guided_regex"),
+    ({"grammar": "root ::= nothing"}, "grammar"),
+    ({"grammar": 'root ::= "a"{9999}'}, "grammar"),
+    ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_regex"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": True,
+                                                                  "schema": {"type": "string", "format": "email"}}}},
+     "response_format"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"response_format": {"type": "yaml"}}, "response_format"),
+    ({"guided_decoding_backend": "xgrammar"}, "guided_decoding_backend"),
+    ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
+    ({"structured_outputs": {"regex": "a", "disable_any_whitespace": True}},
+     "structured_outputs.disable_any_whitespace"),
+    ({"structured_outputs": {}}, "structured_outputs"),
+    ({"guided_json": "{not json"}, "guided_json"),
+])
+def test_refused_constraints_name_the_field(srv, fields, param):
+    r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                           "max_tokens": 4, **fields}, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param or param in err["message"], err
+    assert httpx.get(srv.url + "/health").status_code == 200

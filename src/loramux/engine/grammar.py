@@ -25,7 +25,7 @@ import numpy as np
 
 from .. import _native as N
 from ..errors import BackendError, GrammarError
-from .regex_gbnf import gbnf_literal, regex_to_gbnf
+from .regex_gbnf import MAX_REPEAT, gbnf_literal, regex_to_gbnf
 
 if TYPE_CHECKING:
     from .model import Model
@@ -172,7 +172,33 @@ def gbnf(text: Any, param: str = "grammar") -> Grammar:
     """A grammar given as GBNF text (llama-server's `grammar`, vLLM's `guided_grammar`), root rule `root`."""
     if not isinstance(text, str) or not text.strip():
         raise GrammarError(param, "must be a non-empty GBNF grammar (a string with a 'root ::= ...' rule)")
+    big = max(_repetition_counts(text), default=0)
+    if big > MAX_REPEAT:
+        raise GrammarError(param, f"a repetition count of {big}: at most {MAX_REPEAT} (llama.cpp expands each "
+                                  "repetition into rules)")
     return Grammar(text, param)
+
+
+def _repetition_counts(text: str) -> list[int]:
+    """The numbers in the grammar's {m,n} repetitions, outside string literals, classes and comments."""
+    out, i, n = [], 0, len(text)
+    while i < n:
+        c = text[i]
+        if c in "\"[":
+            close = '"' if c == '"' else "]"
+            i += 1
+            while i < n and text[i] != close:
+                i += 2 if text[i] == "\\" else 1
+        elif c == "#":
+            while i < n and text[i] != "\n":
+                i += 1
+        elif c == "{":
+            j = text.find("}", i)
+            if j > 0:
+                out += [int(x) for x in text[i + 1:j].replace(" ", "").split(",") if x.isdigit()]
+                i = j
+        i += 1
+    return out
 
 
 def json_object(param: str = "response_format") -> Grammar:
@@ -219,12 +245,15 @@ def schemas_rules(schemas: dict[str, Any], *, param: str, strict: bool) -> tuple
             raise GrammarError(param, "the JSON schema must be an object")
         try:
             size = len(json.dumps(schema))
-        except (TypeError, ValueError):
-            raise GrammarError(param, "the JSON schema is not JSON") from None
+        except (TypeError, ValueError, RecursionError):
+            raise GrammarError(param, "the JSON schema is not JSON (or nests too deep)") from None
         if size > MAX_SCHEMA_CHARS:
             raise GrammarError(param, f"the JSON schema has {size} characters; at most {MAX_SCHEMA_CHARS}")
         if strict:
-            bad = unenforced(schema)
+            try:
+                bad = unenforced(schema)
+            except RecursionError:
+                raise GrammarError(param, "the JSON schema nests too deep") from None
             if bad:
                 raise GrammarError(param, "this strict schema uses what constrained decoding cannot enforce: "
                                    + "; ".join(bad[:8]),
@@ -234,8 +263,9 @@ def schemas_rules(schemas: dict[str, Any], *, param: str, strict: bool) -> tuple
             tops[name] = conv.visit(conv.resolve_refs(copy.deepcopy(schema), f"request-{name or 'root'}"), name)
         except GrammarError:
             raise
-        except (AssertionError, ValueError, KeyError, TypeError, RecursionError) as e:
-            raise GrammarError(param, f"the JSON schema cannot be converted to a grammar: {e}") from None
+        except Exception as e:  # noqa: BLE001 - the converter asserts, indexes and recurses on what it is given
+            raise GrammarError(param, f"the JSON schema cannot be converted to a grammar: {type(e).__name__}: "
+                                      f"{str(e)[:300]}") from None
     return conv.format_grammar(), tops
 
 
