@@ -786,3 +786,12 @@ class GrammarHandle(_Handle):
 def sampler_accept(chain: SamplerHandle, token: int) -> None:
     """Record a token chosen outside `SamplerHandle.sample` (penalty history)."""
     C.llama_sampler_accept(chain.ptr, token)
+
+
+# llama-cpp-python's maintained port of llama.cpp's JSON-schema → GBNF converter (pure Python, shipped with
+# the binding), re-exported so that the engine reaches the binding through this module only.
+from llama_cpp.llama_grammar import JSON_GBNF as JSON_GBNF  # noqa: E402
+from llama_cpp.llama_grammar import RESERVED_NAMES as _GRAMMAR_RESERVED  # noqa: E402
+from llama_cpp.llama_grammar import SchemaConverter as SchemaConverter  # noqa: E402
+
+GRAMMAR_RESERVED_NAMES = frozenset(_GRAMMAR_RESERVED)  # rule names the converter keeps for itself

@@ -2,7 +2,7 @@
 
 Each constraint becomes one GBNF grammar, run by llama.cpp's grammar sampler (`_native.GrammarHandle`),
 checked lazily per token by the scheduler. JSON schemas go through llama-cpp-python's maintained port of
-llama.cpp's converter (`llama_cpp.llama_grammar.SchemaConverter`), extended here with what it lacks:
+llama.cpp's converter (`llama_cpp.llama_grammar.SchemaConverter`, reached through `_native`), extended here with what it lacks:
 integer and number bounds, and `pattern` through `regex_gbnf` (a documented subset).
 
 A *strict* schema (OpenAI's `strict: true`) is refused with a `GrammarError` naming every keyword the
@@ -203,9 +203,7 @@ def _repetition_counts(text: str) -> list[int]:
 
 def json_object(param: str = "response_format") -> Grammar:
     """OpenAI's JSON mode: any JSON object."""
-    from llama_cpp.llama_grammar import JSON_GBNF
-
-    return Grammar(JSON_GBNF, param)
+    return Grammar(N.JSON_GBNF, param)
 
 
 def choice(options: Any, param: str = "guided_choice") -> Grammar:
@@ -385,13 +383,7 @@ def number_range(lo: int | None, hi: int | None) -> str:
     return "(" + " | ".join(alts) + ")"
 
 
-def _converter_base() -> type:
-    from llama_cpp.llama_grammar import SchemaConverter
-
-    return SchemaConverter
-
-
-class _Converter(_converter_base()):  # type: ignore[misc]
+class _Converter(N.SchemaConverter):  # type: ignore[misc]
     """llama-cpp-python's SchemaConverter, plus numeric bounds and our regex subset for `pattern`."""
 
     def __init__(self, *, param: str, strict: bool) -> None:
@@ -399,13 +391,11 @@ class _Converter(_converter_base()):  # type: ignore[misc]
         self.param, self.strict = param, strict
 
     def visit(self, schema: Any, name: str) -> str:
-        from llama_cpp.llama_grammar import RESERVED_NAMES
-
         if isinstance(schema, bool):
             schema = {} if schema else {"not": {}}
         if not isinstance(schema, dict):
             raise GrammarError(self.param, f"a JSON schema must be an object, got {type(schema).__name__}")
-        rule_name = name + "-" if name in RESERVED_NAMES else name or "root"
+        rule_name = name + "-" if name in N.GRAMMAR_RESERVED_NAMES else name or "root"
         t = schema.get("type")
         if t in ("integer", "number") and not ({"enum", "const"} & set(schema)) and not _number_problems(
                 schema, "") and any(k in schema for k in ("minimum", "maximum", "exclusiveMinimum",
