@@ -274,3 +274,26 @@ def test_refused_constraints_name_the_field(srv, fields, param):
     err = r.json()["error"]
     assert err["param"] == param or param in err["message"], err
     assert httpx.get(srv.url + "/health").status_code == 200
+
+
+def test_utf8_guard_follows_the_standard(eng):
+    """The ban per state, on the tiny model's byte tokens (<0xNN> = 3 + NN): what may come next."""
+    g = G.regex(r".{0,8}").compile(eng.model)
+    try:
+        def banned(b: int) -> bool:
+            return bool(g.table.ban(g.state)[3 + b])
+        assert banned(0x80) and banned(0xBF) and banned(0xC0) and banned(0xF8) and not banned(0x41)
+        assert not banned(0xC3) and not banned(0xE0) and not banned(0xF0)
+        for lead, good, bad in [(0xC3, 0xA9, 0x41), (0xE0, 0xA0, 0x80), (0xED, 0x9F, 0xA0), (0xF0, 0x90, 0x8F),
+                                (0xF4, 0x8F, 0x90)]:
+            g.state = (0, 0, 0)
+            g.accept(3 + lead)
+            assert not banned(good) and banned(bad) and banned(0x41), (hex(lead), g.state)
+        g.state = (0, 0, 0)
+        for b in (0xE2, 0x82):
+            g.accept(3 + b)
+        assert g.state[0] == 1 and not banned(0xAC) and banned(0xC3)
+        g.accept(3 + 0xAC)  # "€" is complete
+        assert g.state[0] == 0 and banned(0x80) and not banned(0x41)
+    finally:
+        g.close()
