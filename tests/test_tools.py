@@ -128,6 +128,10 @@ def test_refusals_name_the_field(srv):
                         ({"tool_choice": "required"}, "tool_choice"),
                         ({"functions": [{"name": "f"}]}, "functions"),
                         ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "a"}, "tools"),
+                        ({"tools": [{"type": "function", "function": {
+                            "name": "f", "strict": True,
+                            "parameters": {"type": "array", "uniqueItems": True}}}], "tool_choice": "required"},
+                         "tools (f)"),
                         ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools.0.function.name"),
                         ({"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False,
                           "stream": True, "max_tokens": 2}, None)]:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..engine.chat import ChatTemplate
-from ..engine.grammar import Grammar, schemas_rules
+from ..engine.grammar import Grammar, schemas_rules, unenforced
 from ..errors import GrammarError
 from .schemas import ChatRequest, Tool
 
@@ -102,8 +102,13 @@ class ToolPlan:
                 "arguments": t.function.parameters or {"type": "object"}}, "required": ["name", "arguments"]}
         if self.choice == "auto":
             schemas["answer"] = answer_schema
-        rules, tops = schemas_rules(schemas, param="tools", strict=strict and all(
-            t.function.strict for t in tools))
+        # strictness is per schema: each tool's own `strict`, the response format's for the answer
+        for t in tools:
+            if t.function.strict:
+                _check_strict(t.function.parameters or {}, f"tools ({t.function.name})")
+        if strict and answer_schema is not None and self.choice == "auto":
+            _check_strict(answer_schema, "response_format")
+        rules, tops = schemas_rules(schemas, param="tools", strict=False)
         call = "(" + " | ".join(tops[f"call{i}"] for i in range(len(tools))) + ")"
         if self.fmt == "hermes":
             one = f'"{HERMES_OPEN}\\n" {call} "\\n{HERMES_CLOSE}"'
@@ -116,6 +121,13 @@ class ToolPlan:
 
     def stream(self) -> ToolStream:
         return ToolStream(self)
+
+
+def _check_strict(schema: Any, param: str) -> None:
+    bad = unenforced(schema)
+    if bad:
+        raise GrammarError(param, "this strict schema uses what constrained decoding cannot enforce: "
+                           + "; ".join(bad[:8]), hint="drop those keywords, or send strict: false")
 
 
 def history(messages: list[dict[str, Any]], template: ChatTemplate) -> list[dict[str, Any]]:
@@ -243,8 +255,7 @@ class ToolStream:
 
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
         """(content not shown yet, tool calls) at the end of the output."""
-        content, calls = parse_calls(self.held, [t.function.name for t in self.plan.tools])
-        return (content if not calls else content), calls
+        return parse_calls(self.held, [t.function.name for t in self.plan.tools])
 
 
 __all__ = ["GENERIC_INSTRUCTIONS", "ToolPlan", "ToolStream", "history", "parse_calls", "tool_format"]
