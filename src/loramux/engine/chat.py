@@ -156,6 +156,21 @@ def special_texts(model: Model) -> tuple[str, str]:
     return (model.token_text(h.bos) if h.bos >= 0 else "", model.token_text(h.eos) if h.eos >= 0 else "")
 
 
+def user_strings(*values: Any) -> list[str]:
+    """Every string inside messages, tools and template variables (the client's text, wherever it sits)."""
+    out: list[str] = []
+    stack = list(values)
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            out.append(v)
+        elif isinstance(v, Mapping):
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+    return out
+
+
 def tokenize_chat(model: Model, text: str, user_texts: Sequence[str]) -> list[int]:
     """Tokens of a rendered chat: the template's markers as special tokens, `user_texts` never.
 
@@ -191,4 +206,4 @@ def tokenize_chat(model: Model, text: str, user_texts: Sequence[str]) -> list[in
 
 
 __all__ = ["CHATML_FALLBACK", "FALLBACK_TEMPLATES", "GEMMA_FALLBACK", "ChatTemplate", "fallback_template",
-           "special_texts", "tokenize_chat"]
+           "special_texts", "tokenize_chat", "user_strings"]

@@ -27,7 +27,7 @@ from ..errors import AdapterError, ContextLengthError, EngineClosedError, Parame
 from ..sources import resolve
 from .adapters import CheckedAdapter, LoRAAdapter
 from .bank import SlotBank
-from .chat import ChatTemplate, special_texts, tokenize_chat
+from .chat import ChatTemplate, special_texts, tokenize_chat, user_strings
 from .control import ControlSetting, ControlSource
 from .grammar import ActiveGrammar, Grammar
 from .model import Context, ContextOptions, Model, default_threads
@@ -395,7 +395,9 @@ class Engine:
                     **options: Any) -> list[int]:
         """The prompt tokens for `messages`: template markers as special tokens, message text never."""
         text = self.apply_chat_template(messages, add_generation_prompt, **options)
-        return tokenize_chat(self.model, text, [str(m.get("content") or "") for m in messages])
+        user = user_strings([{k: v for k, v in m.items() if k != "role"} for m in messages],
+                            options.get("tools"), options.get("kwargs"))
+        return tokenize_chat(self.model, text, user)
 
     # ------------------------------------------------------------------ generation
     def submit(self, prompt: str | Sequence[int], *, loras: LoraArg = None, control: ControlArg = Inherit.ENGINE,
