@@ -266,10 +266,14 @@ def test_json_object_mode(srv):
      "structured_outputs.disable_any_whitespace"),
     ({"structured_outputs": {}}, "structured_outputs"),
     ({"guided_json": "{not json"}, "guided_json"),
+    ({"guided_json": {"enum": ["a\ud800"]}}, "guided_json"),  # lone surrogates anywhere: a 400, not a 500
+    ({"messages": [{"role": "user", "content": "x", "name": "a\udc00b"}]}, "name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "description": "\ud800"}}]}, "description"),
 ])
 def test_refused_constraints_name_the_field(srv, fields, param):
     r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
                                                            "max_tokens": 4, **fields}, timeout=60)
+    assert r.status_code != 500, r.text
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param or param in err["message"], err

@@ -14,6 +14,7 @@ from typing import Any
 from ..errors import ParameterError
 
 KV_TYPES = ("f16", "f32", "bf16", "q8_0")
+BANK_NODE_ACCESS = ("auto", "device")  # see SlotBank: in place on host memory, else row transfers
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,7 @@ class EngineOptions:
     kv_unified: bool = False
     slots: int = 0
     slot_rank: int = 16
+    bank_node_access: str = "auto"
     deterministic: bool = False
     kv_type: str = "f16"
 
@@ -50,6 +52,9 @@ class EngineOptions:
             problems.append(("slots", f"must be ≥ 0 (0 = no slot bank; got {self.slots})"))
         if self.n_threads is not None and self.n_threads < 1:
             problems.append(("n_threads", f"must be ≥ 1, or None for all cores (got {self.n_threads})"))
+        if self.bank_node_access not in BANK_NODE_ACCESS:
+            problems.append(("bank_node_access", f"must be one of {', '.join(BANK_NODE_ACCESS)} "
+                                                 f"(got {self.bank_node_access!r})"))
         if self.kv_type not in KV_TYPES:
             problems.append(("kv_type", f"must be one of {', '.join(KV_TYPES)} (got {self.kv_type!r})"))
         if problems:
@@ -76,4 +81,4 @@ class EngineOptions:
         return {k: v for k, v in self.as_dict().items() if getattr(default, k) != v}
 
 
-__all__ = ["EngineOptions", "KV_TYPES"]
+__all__ = ["BANK_NODE_ACCESS", "EngineOptions", "KV_TYPES"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import secrets
 import time
 import uuid
@@ -27,6 +28,8 @@ from .schemas import ChatRequest, CompletionRequest, SamplingFields
 from .state import ServerState, Ticket
 from .structured import request_grammar, response_schema
 from .tools import ToolPlan, ToolStream, history, parse_calls
+
+log = logging.getLogger("loramux.server")
 
 
 @dataclass
@@ -182,6 +185,8 @@ async def _submit(state: ServerState, body: CompletionRequest | ChatRequest, cha
                        code="adapter_capacity")
     job = Job(state, model, chat, body, tokens, entries, started, ticket, tools=plan,
               tool_stream=plan.stream() if plan is not None else None)
+    if body.user or body.metadata:  # OpenAI's end-user id and tags: what they are for is the log
+        log.info("request %s on %s: user=%r metadata=%r", job.id, model, body.user, body.metadata)
 
     streaming = bool(getattr(body, "stream", False))
 

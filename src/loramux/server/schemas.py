@@ -1,7 +1,9 @@
 """Request bodies of the OpenAI-compatible API, with loramux's extensions.
 
-Unknown OpenAI fields are ignored; fields we cannot honour (n > 1, logprobs, logit_bias...)
-are refused with a 400 that names them, rather than silently ignored. Extensions, as in
+Every field is honoured or refused with a 400 that names it, never accepted and ignored: an unknown
+field is a 400 (`extra="forbid"`), and a known field set to something this server cannot do is
+refused by `unsupported()`. Fields that clients send back as null or empty (an assistant message's
+`refusal`, `annotations`, `audio`, `function_call`) are accepted only so. Extensions, as in
 llama-server and vLLM: `lora` (per-request adapter stack), `control_vector`, `top_k`, `min_p`,
 `repeat_penalty`, `ignore_eos`, `return_token_ids`.
 """
@@ -24,6 +26,9 @@ MAX_LORA_REFS = 32  # entries of a per-request `lora` list
 MAX_NAME_CHARS = 1024  # characters of a `model` or control vector name
 MAX_STRENGTH = 1000.0  # |control_vector.strength|
 MAX_INT32 = 2**31 - 1  # what llama.cpp's sampler takes for top_k
+MAX_METADATA = 16  # OpenAI's limits for `metadata`: 16 pairs, keys ≤ 64 and values ≤ 512 characters
+MAX_METADATA_KEY, MAX_METADATA_VALUE = 64, 512
+MAX_USER_CHARS = 256
 
 
 def _check_text(texts: Iterable[str], what: str) -> None:
@@ -37,7 +42,26 @@ def _check_text(texts: Iterable[str], what: str) -> None:
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class _Checked(_Body):
+    """A body whose every string (its own fields, and inside its free-form dicts and lists: schemas, grammars,
+    tool arguments, template variables) must be valid Unicode: a lone surrogate is a 400 naming the field."""
+
+    @model_validator(mode="after")
+    def _unicode(self) -> _Checked:
+        for name, value in self:
+            stack = [value]
+            while stack:
+                v = stack.pop()
+                if isinstance(v, str):
+                    _check_text([v], name)
+                elif isinstance(v, dict):
+                    stack += [*v.keys(), *v.values()]
+                elif isinstance(v, (list, tuple)):
+                    stack += list(v)
+        return self
 
 
 class LoraRef(_Body):
@@ -69,7 +93,7 @@ MAX_TOOLS = 128  # tools per request
 MAX_TOOL_CALLS = 128  # tool calls per assistant message
 
 
-class JsonSchemaFormat(_Body):
+class JsonSchemaFormat(_Checked):
     """`response_format.json_schema`: OpenAI's named schema, `strict` as OpenAI defines it."""
 
     name: str = Field(default="response", max_length=MAX_NAME_CHARS)
@@ -78,7 +102,7 @@ class JsonSchemaFormat(_Body):
     strict: bool | None = None
 
 
-class ResponseFormat(_Body):
+class ResponseFormat(_Checked):
     """`response_format`: text, JSON mode, or a JSON schema (llama-server's inline `schema` too)."""
 
     type: Literal["text", "json_object", "json_schema"]
@@ -86,7 +110,7 @@ class ResponseFormat(_Body):
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
 
 
-class StructuredOutputs(_Body):
+class StructuredOutputs(_Checked):
     """vLLM's `structured_outputs`: exactly one of json, regex, choice, grammar (or json_object)."""
 
     json_: dict[str, Any] | str | None = Field(default=None, alias="json")
@@ -101,7 +125,7 @@ class StructuredOutputs(_Body):
     structural_tag: Any = None
 
 
-class SamplingFields(_Body):
+class SamplingFields(_Checked):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = Field(default=None, max_length=MAX_NAME_CHARS)
@@ -119,7 +143,9 @@ class SamplingFields(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    user: str | None = Field(default=None, max_length=MAX_USER_CHARS)  # logged with the request
+    metadata: dict[str, str] | None = None  # logged with the request (OpenAI's 16 pairs)
+    store: bool | None = None  # loramux stores nothing: only false/null
     ignore_eos: bool = False
     return_token_ids: bool = False
     lora: list[LoraRef] | None = Field(default=None, max_length=MAX_LORA_REFS)
@@ -150,9 +176,24 @@ class SamplingFields(_Body):
         _check_text(items, "a stop string")
         return v
 
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, v: dict[str, str] | None) -> dict[str, str] | None:
+        if v is None:
+            return v
+        if len(v) > MAX_METADATA:
+            raise ValueError(f"at most {MAX_METADATA} metadata pairs, got {len(v)}")
+        if any(len(k) > MAX_METADATA_KEY or len(x) > MAX_METADATA_VALUE for k, x in v.items()):
+            raise ValueError(f"metadata keys may have at most {MAX_METADATA_KEY} characters and values "
+                             f"{MAX_METADATA_VALUE}")
+        _check_text([*v, *v.values()], "metadata")
+        return v
+
     def unsupported(self) -> list[tuple[str, str]]:
         """(parameter, why) for every field set to something this server cannot do."""
         out = []
+        if self.store:
+            out.append(("store", "loramux does not store completions; send store: false or leave it out"))
         if self.n != 1:
             out.append(("n", "only n=1 is supported; send several requests instead"))
         if self.logit_bias:
@@ -219,9 +260,12 @@ class CompletionRequest(SamplingFields):
 class TextPart(_Body):
     type: str
     text: str | None = None
+    # Anthropic-style prompt-caching hint (Open WebUI sends it): loramux always reuses the KV of a
+    # prefix it has just decoded, so the hint asks for what already happens
+    cache_control: dict[str, str] | None = None
 
 
-class FunctionDef(_Body):
+class FunctionDef(_Checked):
     """A function tool: its name, description and parameters (a JSON schema)."""
 
     name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")
@@ -230,17 +274,17 @@ class FunctionDef(_Body):
     strict: bool | None = None
 
 
-class Tool(_Body):
+class Tool(_Checked):
     type: Literal["function"]
     function: FunctionDef
 
 
-class FunctionCall(_Body):
+class FunctionCall(_Checked):
     name: str = Field(max_length=128)
     arguments: str = ""
 
 
-class ToolCall(_Body):
+class ToolCall(_Checked):
     """An assistant message's tool call, as OpenAI returns it (and clients send it back)."""
 
     id: str | None = Field(default=None, max_length=256)
@@ -249,22 +293,34 @@ class ToolCall(_Body):
     index: int | None = None
 
 
-class NamedFunction(_Body):
+class NamedFunction(_Checked):
     name: str = Field(max_length=128)
 
 
-class NamedToolChoice(_Body):
+class NamedToolChoice(_Checked):
     type: Literal["function"]
     function: NamedFunction
 
 
-class ChatMessage(_Body):
+class ChatMessage(_Checked):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
-    tool_calls: list[ToolCall] | None = Field(default=None, max_length=MAX_TOOL_CALLS)
+    tool_calls: list[ToolCall] | None = Field(default=None, max_length=MAX_TOOL_CALLS)  # honoured (tools.py)
     tool_call_id: str | None = Field(default=None, max_length=256)
+    # what an assistant message carries when a client sends a response's message back: null or empty only
     refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: dict[str, Any] | None = None
+    function_call: dict[str, Any] | None = None
+
+    def unsupported(self, i: int) -> list[tuple[str, str]]:
+        """(parameter, why) for fields of message i this server cannot honour when set."""
+        out = []
+        for field in ("refusal", "annotations", "audio", "function_call"):
+            if getattr(self, field):
+                out.append((f"messages.{i}.{field}", f"{field} in a message is not supported; send it as null"))
+        return out
 
     @field_validator("content")
     @classmethod
@@ -306,6 +362,8 @@ class ChatRequest(SamplingFields):
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = super().unsupported()
+        for i, m in enumerate(self.messages):
+            out += m.unsupported(i)
         if self.logprobs or self.top_logprobs:
             out.append(("logprobs", "logprobs are not returned by this server"))
         if self.functions or self.function_call is not None:
