@@ -271,8 +271,9 @@ def test_json_object_mode(srv):
     ({"tools": [{"type": "function", "function": {"name": "f", "description": "\ud800"}}]}, "description"),
 ])
 def test_refused_constraints_name_the_field(srv, fields, param):
-    r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
-                                                           "max_tokens": 4, **fields}, timeout=60)
+    body = json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": 4, **fields})  # ASCII escapes
+    r = httpx.post(srv.url + "/v1/chat/completions", content=body, headers={"content-type": "application/json"},
+                   timeout=60)
     assert r.status_code != 500, r.text
     assert r.status_code == 400, r.text
     err = r.json()["error"]
