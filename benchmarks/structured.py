@@ -143,6 +143,8 @@ def main() -> None:
                 for p in PROMPTS:
                     for c in cases:  # cases interleaved: drifts of a shared machine hit all alike
                         cells[c].append(one(srv, c, p, args.tokens))
+                        print(f"{label} {c}: {cells[c][-1][0]:.1f} tok/s over {cells[c][-1][1]} tokens",
+                              file=sys.stderr, flush=True)
         finally:
             srv.close()
         results[label] = {c: {"tok_s": median(r for r, _, _ in v), "tokens": median(n for _, n, _ in v),
