@@ -23,6 +23,7 @@ ERRORS = {
     "ControlVectorError", "ConversionError", "DownloadCancelled", "DownloadError", "DownloadRefused",
     "EngineClosedError", "FactorError", "GGUFFormatError", "LoramuxError", "ModelError", "ParameterError",
     "ProbeMismatch", "RequestFailed", "ScaleError", "SlotsBusyError", "SourceError", "TrainingError",
+    "ChatTemplateError", "GrammarError",
 }
 
 

@@ -232,7 +232,7 @@ def test_errors_are_openai_shaped(shared):
     assert r.status_code == 400 and errbody(r)["param"] == "messages"
     r = httpx.post(srv.url + "/v1/chat/completions",
                    json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tools": [{"x": 1}]})
-    assert r.status_code == 400 and errbody(r)["param"] == "tools"
+    assert r.status_code == 400 and errbody(r)["param"].startswith("tools"), r.text  # a malformed tool
     big = {"model": "tiny", "prompt": "x" * (2 << 20), "max_tokens": 1}
     r = httpx.post(url, json=big)
     assert r.status_code == 413 and errbody(r)["code"] == "request_too_large"

@@ -24,6 +24,8 @@ Every public error is defined here. The tree (``code`` is what the server puts i
     ├── ControlVectorError          invalid_control_vector
     ├── ContextLengthError          context_length_exceeded (also a ValueError)
     ├── ParameterError              invalid_parameter    (also a ValueError)
+    │   ├── GrammarError            invalid_grammar      a schema, regex, choice or GBNF cannot constrain output
+    │   └── ChatTemplateError       invalid_chat_template the chat template refused or failed on the messages
     ├── EngineClosedError           engine_closed        (also a RuntimeError)
     ├── RequestFailed               request_failed       one request failed; the others go on
     ├── TrainingError               training_error
@@ -241,6 +243,25 @@ class ParameterError(LoramuxError, ValueError):
         super().__init__(f"{parameter}: {message}", hint=hint)
 
 
+class GrammarError(ParameterError):
+    """A constraint (JSON schema, regex, choice list, GBNF grammar, tool schema) cannot be enforced.
+
+    `parameter` names the request field it came from (`response_format`, `guided_regex`, `grammar`, ...).
+    """
+
+    code = "invalid_grammar"
+
+
+class ChatTemplateError(ParameterError):
+    """The chat template raised (`raise_exception`) or failed on these messages; `template` names it."""
+
+    code = "invalid_chat_template"
+
+    def __init__(self, template: str, message: str, *, parameter: str = "messages", hint: str | None = None):
+        self.template = template
+        super().__init__(parameter, f"the chat template ({template}) {message}", hint=hint)
+
+
 class EngineClosedError(LoramuxError, RuntimeError):
     """The engine was closed; no more work is accepted."""
 
@@ -285,6 +306,6 @@ class ProbeMismatch(LoramuxError):
 __all__ = [
     "AdapterError", "AdapterNotFoundError", "BackendError", "ChecksumError", "ContextLengthError",
     "ControlVectorError", "ConversionError", "DownloadCancelled", "DownloadError", "DownloadRefused",
-    "EngineClosedError", "FactorError", "GGUFFormatError", "LoramuxError", "ModelError", "ParameterError",
+    "ChatTemplateError", "EngineClosedError", "FactorError", "GGUFFormatError", "GrammarError", "LoramuxError", "ModelError", "ParameterError",
     "ProbeMismatch", "RequestFailed", "ScaleError", "SlotsBusyError", "SourceError", "TrainingError",
 ]

@@ -27,11 +27,13 @@ from ..errors import AdapterError, ContextLengthError, EngineClosedError, Parame
 from ..sources import resolve
 from .adapters import CheckedAdapter, LoRAAdapter
 from .bank import SlotBank
+from .chat import ChatTemplate, special_texts, tokenize_chat, user_strings
 from .control import ControlSetting, ControlSource
+from .grammar import ActiveGrammar, Grammar
 from .model import Context, ContextOptions, Model, default_threads
 from .options import EngineOptions
 from .registry import AdapterSet, LoraArg, Registry, check_scale
-from .sampling import Completion, SamplingParams, fallback_template, render_chat
+from .sampling import Completion, SamplingParams
 from .scheduler import Phase, Request, Scheduler
 from .scoring import Scoring, TokenLogprob, score_many
 
@@ -379,20 +381,37 @@ class Engine:
     def detokenize(self, tokens: Sequence[int]) -> str:
         return self.model.detokenize(tokens)
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
-        tmpl = self.model.chat_template or fallback_template(self.model.architecture)
-        h = self.model.handle
-        return render_chat(tmpl, messages, bos_token=self.model.token_text(h.bos) if h.bos >= 0 else "",
-                           eos_token=self.model.token_text(h.eos) if h.eos >= 0 else "",
-                           add_generation_prompt=add_generation_prompt)
+    def chat_template(self) -> ChatTemplate:
+        """The model's chat template (its GGUF's, or the family fallback; see chat.py)."""
+        return ChatTemplate.for_model(self.model)
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                            **options: Any) -> str:
+        """The prompt text for `messages`; `options`: continue_final_message, tools, kwargs (ChatTemplate.render)."""
+        bos, eos = special_texts(self.model)
+        return self.chat_template().render(messages, bos_token=bos, eos_token=eos,
+                                           add_generation_prompt=add_generation_prompt, **options)
+
+    def chat_tokens(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                    **options: Any) -> list[int]:
+        """The prompt tokens for `messages`: template markers as special tokens, message text never."""
+        text = self.apply_chat_template(messages, add_generation_prompt, **options)
+        user = user_strings([{k: v for k, v in m.items() if k != "role"} for m in messages],
+                            options.get("tools"), options.get("kwargs"))
+        return tokenize_chat(self.model, text, user)
 
     # ------------------------------------------------------------------ generation
     def submit(self, prompt: str | Sequence[int], *, loras: LoraArg = None, control: ControlArg = Inherit.ENGINE,
                on_event: Callable[[str, Any], None] | None = None, share: Request | None = None,
-               **sampling: Any) -> Request:
+               grammar: Grammar | ActiveGrammar | None = None, **sampling: Any) -> Request:
         """Queue a generation; events arrive on `request.events` (and `on_event`, on the engine thread).
-        `share`: an earlier request on the same prompt and adapters whose prompt KV this one reuses (n > 1)."""
+
+        `share`: an earlier request on the same prompt and adapters whose prompt KV this one reuses (n > 1).
+        `grammar` constrains the output (see `loramux.engine.grammar`: JSON schemas, regexes, choices, GBNF);
+        a compiled `ActiveGrammar` is used by this request alone."""
         params = SamplingParams(**sampling).validate()
+        if isinstance(grammar, Grammar):
+            grammar = grammar.compile(self.model)
         tokens = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         if not tokens:
             raise ParameterError("prompt", "is empty")
@@ -402,7 +421,7 @@ class Engine:
             aset = self.registry.adapter_set(loras)
             cv = self.control if control is Inherit.ENGINE else control
             phases, alora = _phases(aset, cv, tokens)
-            req = Request(tokens, params, phases, alora, on_event=on_event,
+            req = Request(tokens, params, phases, alora, on_event=on_event, grammar=grammar,
                           scoring=Scoring.wanted(params.prompt_logprobs, params.logprobs), share=share)
             for a, _ in aset.items:
                 a.version  # noqa: B018 - fingerprint taken now; later writes make a new key
@@ -437,8 +456,7 @@ class Engine:
     def chat(self, messages: Sequence[Mapping[str, Any]], *, loras: LoraArg = None, stream: bool = False,
              **sampling: Any) -> Completion | TextStream:
         """One assistant turn, rendered with the model's chat template (sandboxed jinja2)."""
-        prompt = self.apply_chat_template(messages)
-        tokens = self.tokenize(prompt, add_bos=False)
+        tokens = self.chat_tokens(messages)
         s = self.stream(tokens, loras=loras, **sampling)
         return s if stream else s.consume()
 

@@ -1,13 +1,12 @@
-"""Generation pieces that need no engine: sampling settings, stop strings, text assembly, chat templates."""
+"""Generation pieces that need no engine: sampling settings, stop strings, text assembly (chat templates: chat.py)."""
 
 from __future__ import annotations
 
 import codecs
 import functools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from ..errors import ParameterError
 from .scoring import TokenLogprob
@@ -207,46 +206,3 @@ class TextAssembler:
             self._parts.append(out)
             self.emitted += len(out)
         return out
-
-
-# ----------------------------------------------------------------------------------------------
-# Chat templates
-# ----------------------------------------------------------------------------------------------
-
-# Used when a GGUF carries no template (the embedded Gemma 3 270M file has none).
-FALLBACK_TEMPLATES = {
-    "gemma": (
-        "{{ bos_token }}{% for m in messages %}{% set role = 'model' if m['role'] == 'assistant' else 'user' %}"
-        "<start_of_turn>{{ role }}\n{% if m['role'] == 'system' %}{{ m['content'] | trim }}\n\n"
-        "{% else %}{{ m['content'] | trim }}<end_of_turn>\n{% endif %}{% endfor %}"
-        "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
-    ),
-    "chatml": (
-        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-    ),
-}
-
-
-def fallback_template(architecture: str) -> str:
-    return FALLBACK_TEMPLATES["gemma" if architecture.startswith("gemma") else "chatml"]
-
-
-def render_chat(template: str, messages: Sequence[Mapping[str, Any]], *, bos_token: str, eos_token: str,
-                add_generation_prompt: bool = True, **extra: Any) -> str:
-    """Render messages with a chat template in a sandboxed jinja2, as transformers does."""
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    for i, m in enumerate(messages):
-        if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
-            raise ParameterError(f"messages[{i}]", "each message needs 'role' and 'content'")
-
-    def raise_exception(msg: str) -> None:
-        raise ParameterError("messages", f"the chat template refused the messages: {msg}")
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = raise_exception
-    msgs = [dict(m) for m in messages]
-    # Templates such as Gemma's fold a system message into the first user turn; ours passes it through.
-    return env.from_string(template).render(messages=msgs, bos_token=bos_token, eos_token=eos_token,
-                                            add_generation_prompt=add_generation_prompt, **extra)

@@ -21,6 +21,7 @@ from typing import Any
 from .. import _native as N
 from ..errors import BackendError, LoramuxError, RequestFailed
 from .bank import SlotBank
+from .grammar import ActiveGrammar
 from .model import Context, Model
 from .registry import AdapterSet
 from .sampling import Completion, SamplingParams, TextAssembler
@@ -72,6 +73,7 @@ class Request:
     pending: int | None = None  # sampled token not yet decoded
     generated: list[int] = field(default_factory=list)
     sampler: N.SamplerHandle | None = None
+    grammar: ActiveGrammar | None = None  # constrained output (grammar.py); checked lazily per token
     slots: list[int] = field(default_factory=list)  # bank slots held while running
     text: TextAssembler | None = None
     first_token_at: float | None = None
@@ -382,7 +384,9 @@ class Scheduler:
 
     def _sample(self, r: Request, idx: int) -> None:
         assert r.text is not None
-        if r.sampler is None:
+        if r.grammar is not None:
+            tok = self._constrained(r, idx)
+        elif r.sampler is None:
             tok = self.ctx.handle.argmax(idx)
         else:
             if not self.ctx.handle.logits_finite(idx):  # a sampler would pick garbage from NaN silently
@@ -410,6 +414,16 @@ class Scheduler:
         else:
             r.pending = tok
 
+    def _constrained(self, r: Request, idx: int) -> int:
+        """The grammar's choice: the unconstrained token when the grammar allows it, else one it allows."""
+        assert r.grammar is not None
+        tok = r.grammar.pick(self.ctx.handle, idx, r.sampler)
+        if not self.model.is_eog(tok):  # an end token only ends a finished grammar: nothing to advance
+            r.grammar.accept(tok)
+        if r.sampler is not None:
+            N.sampler_accept(r.sampler, tok)
+        return tok
+
     def _seq_room(self) -> int:
         o = self.ctx.opts
         return self.ctx.n_ctx if o.kv_unified else self.ctx.n_ctx // max(1, o.n_seq_max)
@@ -425,6 +439,8 @@ class Scheduler:
                 self.slot_cache[r.seq] = ((), [])
         if r.sampler is not None:
             r.sampler.close()
+        if r.grammar is not None:
+            r.grammar.close()
         if self.bank is not None:
             for k in r.slots:
                 self.bank.release(k)

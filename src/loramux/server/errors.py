@@ -80,7 +80,7 @@ def from_exception(exc: BaseException) -> APIError:
     if isinstance(exc, ContextLengthError):
         return APIError(400, str(exc), code="context_length_exceeded", param="messages")
     if isinstance(exc, ParameterError):
-        return APIError(400, str(exc), code="invalid_parameter", param=exc.parameter)
+        return APIError(400, str(exc), code=exc.code, param=exc.parameter)
     if isinstance(exc, ScaleError):
         return APIError(400, str(exc), code="invalid_scale", param="lora")
     if isinstance(exc, DownloadError):

@@ -49,6 +49,25 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
+class _Checked(_Body):
+    """A body whose every string (its own fields, and inside its free-form dicts and lists: schemas, grammars,
+    tool arguments, template variables) must be valid Unicode: a lone surrogate is a 400 naming the field."""
+
+    @model_validator(mode="after")
+    def _unicode(self) -> _Checked:
+        for name, value in self:
+            stack = [value]
+            while stack:
+                v = stack.pop()
+                if isinstance(v, str):
+                    _check_text([v], name)
+                elif isinstance(v, dict):
+                    stack += [*v.keys(), *v.values()]
+                elif isinstance(v, (list, tuple)):
+                    stack += list(v)
+        return self
+
+
 class LoraRef(_Body):
     """One entry of a per-request `lora` list: an adapter by name or by /lora-adapters id."""
 
@@ -74,7 +93,43 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class SamplingFields(_Body):
+MAX_TOOLS = 128  # tools per request
+MAX_TOOL_CALLS = 128  # tool calls per assistant message
+
+
+class JsonSchemaFormat(_Checked):
+    """`response_format.json_schema`: OpenAI's named schema, `strict` as OpenAI defines it."""
+
+    name: str = Field(default="response", max_length=MAX_NAME_CHARS)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Checked):
+    """`response_format`: text, JSON mode, or a JSON schema (llama-server's inline `schema` too)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+
+
+class StructuredOutputs(_Checked):
+    """vLLM's `structured_outputs`: exactly one of json, regex, choice, grammar (or json_object)."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_fallback: bool | None = None
+    disable_any_whitespace: bool | None = None
+    disable_additional_properties: bool | None = None
+    whitespace_pattern: str | None = None
+    structural_tag: Any = None
+
+
+class SamplingFields(_Checked):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = Field(default=None, max_length=MAX_NAME_CHARS)
@@ -99,6 +154,17 @@ class SamplingFields(_Body):
     return_token_ids: bool = False
     lora: list[LoraRef] | None = Field(default=None, max_length=MAX_LORA_REFS)
     control_vector: ControlRef | None = None
+    # constrained output (server/structured.py): at most one of these per request
+    response_format: ResponseFormat | None = None
+    grammar: str | None = None  # llama-server: GBNF
+    json_schema: dict[str, Any] | None = None  # llama-server: a JSON schema
+    guided_json: dict[str, Any] | str | None = None  # vLLM (older names)
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     @field_validator("stop")
     @classmethod
@@ -134,6 +200,16 @@ class SamplingFields(_Body):
             out.append(("store", "loramux does not store completions; send store: false or leave it out"))
         if self.logit_bias:
             out.append(("logit_bias", "logit_bias is not supported"))
+        if self.guided_decoding_backend:
+            out.append(("guided_decoding_backend", "loramux has one backend, llama.cpp's grammar sampler: drop it"))
+        if self.guided_whitespace_pattern:
+            out.append(("guided_whitespace_pattern", "a custom whitespace pattern is not supported"))
+        so = self.structured_outputs
+        if so is not None:
+            for name in ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern",
+                         "structural_tag"):
+                if getattr(so, name):
+                    out.append((f"structured_outputs.{name}", "is not supported"))
         return out
 
     def stops(self) -> tuple[str, ...]:
@@ -202,22 +278,59 @@ class TextPart(_Body):
     cache_control: dict[str, str] | None = None
 
 
-class ChatMessage(_Body):
+class FunctionDef(_Checked):
+    """A function tool: its name, description and parameters (a JSON schema)."""
+
+    name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Checked):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionCall(_Checked):
+    name: str = Field(max_length=128)
+    arguments: str = ""
+
+
+class ToolCall(_Checked):
+    """An assistant message's tool call, as OpenAI returns it (and clients send it back)."""
+
+    id: str | None = Field(default=None, max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+    index: int | None = None
+
+
+class NamedFunction(_Checked):
+    name: str = Field(max_length=128)
+
+
+class NamedToolChoice(_Checked):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class ChatMessage(_Checked):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = Field(default=None, max_length=MAX_TOOL_CALLS)  # honoured (tools.py)
+    tool_call_id: str | None = Field(default=None, max_length=256)
     # what an assistant message carries when a client sends a response's message back: null or empty only
     refusal: str | None = None
     annotations: list[Any] | None = None
     audio: dict[str, Any] | None = None
     function_call: dict[str, Any] | None = None
-    tool_calls: list[dict[str, Any]] | None = None
-    tool_call_id: str | None = None
 
     def unsupported(self, i: int) -> list[tuple[str, str]]:
         """(parameter, why) for fields of message i this server cannot honour when set."""
         out = []
-        for field in ("refusal", "annotations", "audio", "function_call", "tool_calls", "tool_call_id"):
+        for field in ("refusal", "annotations", "audio", "function_call"):
             if getattr(self, field):
                 out.append((f"messages.{i}.{field}", f"{field} in a message is not supported; send it as null"))
         return out
@@ -251,10 +364,14 @@ class ChatRequest(SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=0)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    function_call: Any = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool = False
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = super().unsupported()
@@ -262,15 +379,31 @@ class ChatRequest(SamplingFields):
             out += m.unsupported(i)
         if self.top_logprobs is not None and not self.logprobs:
             out.append(("top_logprobs", "top_logprobs needs logprobs: true"))
-        if self.tools or self.functions or self.tool_choice not in (None, "none"):
-            out.append(("tools", "tool calling is not supported"))
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            out.append(("response_format", "only response_format {'type': 'text'} is supported"))
+        if self.functions or self.function_call is not None:
+            out.append(("functions", "the legacy functions/function_call API is not supported: send tools and "
+                                     "tool_choice"))
+        if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
+            out.append(("tool_choice", "needs tools"))
+        if self.tools and self.tool_choice != "none" and (self.logprobs or self.n != 1):
+            out.append(("tools", "tools cannot be combined with logprobs or n > 1 yet; send one request per "
+                                 "sequence without logprobs, or tool_choice none"))
         return out
 
-    def message_dicts(self) -> list[dict[str, str]]:
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                for m in self.messages]
+    def message_dicts(self) -> list[dict[str, Any]]:
+        """Messages for the chat template: developer → system; tool calls with their arguments as text."""
+        out = []
+        for m in self.messages:
+            d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            if m.tool_calls:
+                d["tool_calls"] = [{"id": c.id, "type": "function",
+                                    "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                                   for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                d["tool_call_id"] = m.tool_call_id
+            if m.name is not None:
+                d["name"] = m.name
+            out.append(d)
+        return out
 
 
 MAX_DETOKENIZE = 1 << 17  # token ids of one /detokenize request
@@ -335,7 +468,9 @@ class AdapterScale(_Body):
     scale: float = 0.0
 
 
-__all__ = ["MAX_CHOICES", "MAX_CONTENT_CHARS", "MAX_CONTENT_PARTS", "MAX_LORA_REFS", "MAX_MESSAGES", "MAX_N",
-           "MAX_NAME_CHARS", "MAX_PROMPTS", "MAX_PROMPT_CHARS", "MAX_TOP_LOGPROBS", "MAX_STOP", "MAX_STOP_CHARS", "MAX_STRENGTH", "AdapterScale", "ChatMessage",
-           "ChatRequest", "CompletionRequest", "ControlRef", "DetokenizeRequest", "MAX_DETOKENIZE", "TokenizeRequest",
+__all__ = ["MAX_CHOICES", "MAX_CONTENT_CHARS", "MAX_CONTENT_PARTS", "MAX_DETOKENIZE", "MAX_LORA_REFS", "MAX_MESSAGES",
+           "MAX_N", "MAX_NAME_CHARS", "MAX_PROMPTS", "MAX_PROMPT_CHARS", "MAX_STOP", "MAX_STOP_CHARS", "MAX_STRENGTH",
+           "MAX_TOOLS", "MAX_TOOL_CALLS", "MAX_TOP_LOGPROBS", "AdapterScale", "ChatMessage", "ChatRequest",
+           "CompletionRequest", "ControlRef", "DetokenizeRequest", "FunctionCall", "FunctionDef", "JsonSchemaFormat",
+           "NamedToolChoice", "ResponseFormat", "StructuredOutputs", "TokenizeRequest", "Tool", "ToolCall",
            "LoadAdapterRequest", "LoraRef", "SamplingFields", "StreamOptions", "UnloadAdapterRequest"]
