@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from tinymodel import base_shapes, random_factors
 
+from loramux import _native as N
 from loramux.engine.adapters import LoRAAdapter
 from loramux.engine.bank import SlotBank, token_scales
 from loramux.engine.model import Context, ContextOptions, Model
@@ -454,12 +455,13 @@ def test_garbage_in_an_unused_slot_never_reaches_any_sequence(setup):
     slots = [bank.acquire(u) for u in users[:2]]
     junk = next(k for k in range(K) if k not in slots)
     rows = slice(junk * R, junk * R + R)
-    huge = {}
+    # written past every check (set_factors_multi refuses factors whose delta could overflow): raw bytes
+    facs = bank.adapter.factor_tensors()
     for t in bank.targets:
         a, b = bank.adapter.get_factors(t)
         a[rows], b[:, rows] = 3e38, 0.5
-        huge[t] = (a, b)
-    bank.adapter.set_factors_multi(huge)
+        N.tensor_set(facs[t].a, np.ascontiguousarray(a, np.float32))
+        N.tensor_set(facs[t].b, np.ascontiguousarray(b, np.float32))
     seq_tokens = [model.tokenize(p) for p in PROMPTS]
     wants = [[(slots[0], 1.0)], [(slots[1], 1.0)], [], []]
     flags = np.concatenate([[0] * (len(t) - 1) + [1] for t in seq_tokens]) != 0
@@ -635,3 +637,71 @@ def test_adapter_listing_says_whether_it_goes_through_the_bank(tiny_model, tmp_p
         listed = {m["id"]: m for m in httpx.get(srv.url + "/v1/models", timeout=30).json()["data"]}
     assert (listed["small"]["banked"], listed["small"]["bank_reason"]) == (True, None)
     assert (listed["big"]["banked"], listed["big"]["bank_reason"]) == (False, "rank 8 > slot rank 4")
+
+
+def test_device_mask_path_is_bit_identical_and_moves_only_the_rows_it_changes(setup):
+    """The transfer path (for node outputs off the host: GPU, RPC), forced on the CPU: the same bits as
+    masking in place, and only rows the mask changes cross the boundary, one run per call."""
+    model, bank, users, tmp = setup
+    slots = [bank.acquire(u) for u in users]
+    seq_tokens = [model.tokenize(p) for p in PROMPTS]
+    # per sequence: every slot at exactly 1 (its rows are left alone), none (written as zeros, never
+    # read), one slot at 0.5 and two slots at 1 (read, masked, written back)
+    wants = [[(k, 1.0) for k in range(K)], [], [(slots[1], 0.5)], [(slots[0], 1.0), (slots[2], 1.0)]]
+    flags = np.concatenate([[0] * (len(t) - 1) + [1] for t in seq_tokens]) != 0
+    scales = token_scales(bank, [(len(t), w) for t, w in zip(seq_tokens, wants)])
+    seen: list[int] = []
+
+    def callback(t, ask):
+        if not ask:
+            seen.append(N.node_ne1(t))
+        return bank.callback(t, ask)
+
+    ctx = _ctx(model, callback)
+    ctx.handle.set_adapters([bank.adapter.handle], [1.0])
+    runs, moved, nodes = {}, {}, {}
+    for access in ("auto", "device"):
+        bank.node_access = access
+        before = dict(bank.transfers)
+        seen.clear()
+        runs[access] = _run_batch(ctx, model, seq_tokens, lambda: bank.set_plan(scales, flags))
+        bank.check()
+        moved[access] = {k: bank.transfers[k] - before[k] for k in before}
+        nodes[access] = list(seen)
+    ctx.close()
+    assert moved["auto"] == {"gets": 0, "sets": 0, "rows_read": 0, "rows_written": 0}  # host: in place
+    assert nodes["auto"] == nodes["device"]
+    moved, seen = moved["device"], nodes["device"]
+    for a, b in zip(runs["auto"], runs["device"]):
+        assert np.array_equal(a, b)
+    assert not np.array_equal(runs["device"][0], runs["device"][1])  # the masks did something
+    n_full = sum(len(t) for t in seq_tokens)
+    lens = [len(t) for t in seq_tokens]
+    # rows written, rows read, runs (calls to set): a zeros run (seq 1) and one read run (seqs 2 and 3)
+    per_node = {n_full: (n_full - lens[0], n_full - lens[0] - lens[1], 2),
+                len(seq_tokens): (3, 2, 2)}  # output rows: one per sequence
+    assert set(seen) <= set(per_node)
+    assert moved["rows_written"] == sum(per_node[n][0] for n in seen)
+    assert moved["rows_read"] == sum(per_node[n][1] for n in seen)
+    assert moved["sets"] == sum(per_node[n][2] for n in seen)
+    assert moved["gets"] == len(seen)  # only the read run is fetched
+
+
+def test_engine_with_the_device_mask_path_serves_the_same_tokens(tiny_model, tmp_path):
+    import loramux as lm
+
+    paths = []
+    for i, rank in enumerate([2, 4, 3]):
+        f = random_factors(rank=rank, seed=200 + i, scale=0.5)
+        paths.append(str(write_adapter(tmp_path / f"u{i}.gguf", "llama", f, alpha=float(rank))))
+    prompts = ["the cat sat on the mat", "a dog ran in the big red", "hello world it was", "we and you and she",
+               "she ran and the dog"]
+    outs, moved = {}, {}
+    for access in ("auto", "device"):
+        with lm.Engine.load(tiny_model, n_ctx=128, n_parallel=8, n_batch=128, n_threads=2, slots=4, slot_rank=4,
+                            bank_node_access=access, loras=[lm.LoraSpec(p, 0.0) for p in paths]) as eng:
+            toks = [eng.tokenize(p) for p in prompts]
+            outs[access] = [c.tokens for c in eng.generate_many(toks, loras=SETS, max_tokens=10, ignore_eos=True)]
+            moved[access] = eng.bank.transfers["rows_written"]
+    assert outs["auto"] == outs["device"]
+    assert moved["auto"] == 0 and moved["device"] > 0

@@ -299,3 +299,30 @@ def test_calls_queued_behind_a_removal_raise_instead_of_reading_freed_memory(tin
         assert not (tmp_path / "out.gguf").exists()
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])  # F16 cannot hold such values: they become Inf (refused)
+def test_writes_whose_delta_could_overflow_are_refused_like_a_load(engine, tmp_path, dtype, write_path):
+    """The delta bound a load checks (max|A|·in, |alpha/r|·max|B|·r, their product ≤ 2^64) holds for
+    every in-place write too: set_factors_multi (mirror and direct) and edit()."""
+    write_tiny_lora(tmp_path / "x.gguf", seed=7, dtype=dtype)
+    a = engine.load_lora(tmp_path / "x.gguf")
+    orig = a.all_factors()
+    q = next(n for n in a.factor_names() if "attn_q" in n)  # A (r, 64): narrower than ffn_down's (r, 128)
+    A, B = orig[q]
+    huge = {q: (np.full_like(A, 2.0 ** 40), np.full_like(B, 2.0 ** 40))}  # finite, product far over 2^64
+    with pytest.raises(lm.FactorError, match="2\\^64") as ei:
+        a.set_factors_multi(huge)
+    assert q in str(ei.value) and a.version == 0
+    if dtype != "bf16":  # edit() takes F32 and F16 adapters only
+        with pytest.raises(lm.FactorError, match="2\\^64"):
+            with a.edit() as f:
+                f[q][0][...] = 2.0 ** 40
+                f[q][1][...] = 2.0 ** 40
+    assert a.version == 0
+    assert all(np.array_equal(x, y) for n in orig for x, y in zip(a.all_factors()[n], orig[n]))
+    # just inside the bound on this target (max|A|·64 = 1.5·2^63, B = 0), though max|A| times the
+    # widest input of the adapter (128) is not: the exact per-target check lets it through
+    edge = {q: (np.full_like(A, 1.5 * 2.0 ** 57), np.zeros_like(B))}
+    a.set_factors_multi(edge)
+    assert a.version == 1 and np.isfinite(engine.logits(PROMPT)).all()

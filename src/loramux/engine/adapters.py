@@ -192,6 +192,11 @@ class LoRAAdapter:
         finally:
             ctx.close()
         self._factors = self._check_discovered(found, file_factors)
+        # for the in-place writes' delta bound (see _value_problems): the widest input of any A, and
+        # |alpha/r|·r of any B (|alpha|, or the rank when alpha is 0)
+        self._widest_in = max((f.a_shape[1] for f in self._factors.values()), default=0)
+        self._widest_gain = abs(self.alpha) if self.alpha else max(
+            (f.a_shape[0] for f in self._factors.values()), default=0)
 
     def _check_discovered(self, found: dict[str, int],
                           file_factors: dict[str, tuple[np.ndarray, np.ndarray]]) -> dict[str, FactorTensors]:
@@ -291,8 +296,8 @@ class LoRAAdapter:
                     problems, touched = mirror.fill(factors)
                     self._publish(mirror, touched, problems)
                 else:
-                    problems, jobs = stage.encode(factors)
-                    self._refuse_if(problems)
+                    problems, jobs, floats = stage.encode(factors)
+                    self._refuse_if(problems or delta_bound_problems(floats, self.alpha))
                     stage.write(jobs)
                 self.version += 1
         finally:
@@ -351,12 +356,27 @@ class LoRAAdapter:
     def _publish(self, mirror: Mirror, touched: list[str], problems: list[str]) -> None:
         """Check what the mirror holds for `touched`; publish it, or restore it and refuse (all-or-nothing)."""
         if not problems:
-            problems = [f"{n}: factors contain NaN or Inf (after conversion to {self.dtype})"
-                        for n in mirror.check(touched)]
+            problems = self._value_problems(mirror, touched)
         if problems:
             mirror.reload(touched)  # the mirror goes back to the live values
         self._refuse_if(problems)
         mirror.commit(touched)
+
+    def _value_problems(self, mirror: Mirror, touched: list[str]) -> list[str]:
+        """NaN/Inf, or a delta that could overflow F32 (the bound a load checks), in what `touched` holds.
+
+        One max |x| over the update decides the common case: if even the largest value times the
+        widest input (for A) and times |alpha| or the rank (for B) stays in the bound, every target
+        does; only otherwise is each target checked exactly.
+        """
+        big = mirror.largest(touched)
+        if not np.isfinite(big):
+            return [f"{n}: factors contain NaN or Inf (after conversion to {self.dtype})"
+                    for n in mirror.check(touched)] or [f"factors contain NaN or Inf (after conversion to {self.dtype})"]
+        g_a, g_b = big * self._widest_in, big * self._widest_gain
+        if g_a <= MAX_DELTA_GAIN and g_b <= MAX_DELTA_GAIN and g_a * g_b <= MAX_DELTA_GAIN:
+            return []
+        return delta_bound_problems({n: mirror.floats(n) for n in touched}, self.alpha)
 
     def _refuse_if(self, problems: list[str]) -> None:
         if problems:

@@ -44,6 +44,7 @@ from ..gguf_io import write_adapter
 from .adapters import LoRAAdapter, delta_bound_problems
 from .factor_stage import FactorTensors
 from .model import Context, Model
+from .options import BANK_NODE_ACCESS
 from .registry import AdapterSet
 
 PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
@@ -82,11 +83,34 @@ class Mask:
     keep: np.ndarray = field(init=False)
     drop: np.ndarray = field(init=False)
     mode: int = field(init=False)  # 0: keep none, 1: keep all, 2: mixed
+    _segments: list[tuple[int, int, bool]] | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.keep = self.values != 0
         self.drop = ~self.keep
         self.mode = 1 if self.keep.all() else 0 if not self.keep.any() else 2
+
+    def segments(self) -> list[tuple[int, int, bool]]:
+        """Runs [r0, r1) of token rows the mask changes, and whether each run must be read first.
+
+        A row whose every value is exactly 1 is left as it is (x·1 == x); a row that keeps nothing is
+        written as zeros without being read; the rest are read, masked and written back. Consecutive
+        rows of one kind form one run, so a device transfers each run in one call.
+        """
+        if self._segments is None:
+            identity = self.keep.all(axis=1) & (self.values == 1).all(axis=1)
+            kind = np.where(identity, 0, np.where(self.drop.all(axis=1), 1, 2))
+            edges = np.flatnonzero(np.diff(kind)) + 1
+            starts = np.concatenate(([0], edges)).astype(int)
+            ends = np.concatenate((edges, [len(kind)])).astype(int)
+            self._segments = [(int(a), int(b), bool(kind[a] == 2)) for a, b in zip(starts, ends)
+                              if len(kind) and kind[a] != 0]
+        return self._segments
+
+    def apply_rows(self, x: np.ndarray, r0: int, r1: int) -> None:
+        """`apply` for rows [r0, r1) only (x holds just those rows): the same operations, so the same bits."""
+        np.copyto(x, 0.0, where=self.drop[r0:r1])
+        x *= self.values[r0:r1]
 
     def apply(self, x: np.ndarray) -> None:
         """Set the dropped entries of `x` to exactly 0, then scale the kept ones, in place.
@@ -153,9 +177,18 @@ def plan_ubatches(seq_ids: np.ndarray, n_ubatch: int, unified: bool) -> list[np.
 class SlotBank:
     """K slots of rank r over every projection of the base model. Engine-thread only."""
 
-    def __init__(self, model: Model, slots: int, rank: int, *, dtype: str = "f32") -> None:
+    def __init__(self, model: Model, slots: int, rank: int, *, dtype: str = "f32",
+                 node_access: str = "auto") -> None:
+        """`node_access`: how the bank nodes' outputs are masked. "auto": in place when the node's
+        buffer is host memory, else by reading and writing only the rows the mask changes
+        (ggml_backend_tensor_get/set, e.g. on a GPU or over RPC). "device": always the transfer path
+        (to check it on a CPU; it gives the same bits)."""
         if slots < 1 or rank < 1:
             raise LoramuxError(f"a slot bank needs slots ≥ 1 and slot_rank ≥ 1 (got {slots}, {rank})")
+        if node_access not in BANK_NODE_ACCESS:
+            raise LoramuxError(f"bank node_access must be one of {', '.join(BANK_NODE_ACCESS)} (got {node_access!r})")
+        self.node_access = node_access
+        self.transfers = {"gets": 0, "sets": 0, "rows_read": 0, "rows_written": 0}  # device path only
         self.model, self.K, self.r = model, slots, rank
         self.width = slots * rank
         self.targets = [f"blk.{i}.{p}.weight" for i in range(model.n_layer) for p in PROJECTIONS
@@ -402,9 +435,22 @@ class SlotBank:
         if view is not None:
             mask.apply(view)  # CPU: mask the node's output where it lies, no copies
         else:
-            data = N.tensor_get(t, np.empty((n_tok, self.width), np.float32))
-            mask.apply(data)
-            N.tensor_set(t, data)
+            self._mask_by_transfer(t, mask)
+
+    def _mask_by_transfer(self, t: int, mask: Mask) -> None:
+        """Mask a node that is not host-visible: move only the rows the mask changes, a run per call."""
+        row_bytes = self.width * 4  # a matmul output: contiguous F32 rows of K·r values, one per token
+        for r0, r1, read in mask.segments():
+            if read:
+                data = N.tensor_get(t, np.empty((r1 - r0, self.width), np.float32), offset=r0 * row_bytes)
+                mask.apply_rows(data, r0, r1)
+                self.transfers["gets"] += 1
+                self.transfers["rows_read"] += r1 - r0
+            else:
+                data = np.zeros((r1 - r0, self.width), np.float32)
+            N.tensor_set(t, data, offset=r0 * row_bytes)
+            self.transfers["sets"] += 1
+            self.transfers["rows_written"] += r1 - r0
 
     def _zero_node(self, t: int) -> None:
         n_tok = N.node_ne1(t)
@@ -418,6 +464,8 @@ class SlotBank:
         """The node's host memory as (n_tok, width) floats; None off the host. Cached per memory place:
         llama.cpp reuses the same compute-buffer addresses for every decode of a graph shape, and
         the key (data address, buffer, n_tok) names memory the node occupies right now."""
+        if self.node_access == "device":
+            return None
         key = (*N.node_place(t), n_tok)
         try:
             return self._views[key]

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from .. import _native as N
-from ..ggml_types import BF16, ELEMENT_SIZE, FLOAT_NAMES, STORAGE_DTYPE, to_bf16_bits
+from ..ggml_types import BF16, ELEMENT_SIZE, FLOAT_NAMES, STORAGE_DTYPE, decode, to_bf16_bits
 
 # The names adapters.py imports from here: ggml_types' own tables, not copies.
 
@@ -87,6 +87,20 @@ def _encoded(x: Any, shape: tuple[int, int], ggml_type: int) -> np.ndarray | Non
     return np.ascontiguousarray(arr, dtype=STORAGE_DTYPE[ggml_type])
 
 
+def _as_f32(stored: np.ndarray, ggml_type: int) -> np.ndarray:
+    """Stored factor elements as float32: F32 as they are, F16 and BF16 decoded (a copy)."""
+    if ggml_type == BF16:
+        return decode(stored, ggml_type)
+    return stored if stored.dtype == np.float32 else stored.astype(np.float32)
+
+
+def _max_abs(x: np.ndarray) -> float:
+    """max |x| without a temporary array; NaN propagates (then the result is NaN)."""
+    if x.size == 0:
+        return 0.0
+    return float(np.max((np.max(x), -np.min(x))))
+
+
 def _all_finite(view: np.ndarray, ggml_type: int) -> bool:
     if ggml_type == BF16:  # exponent bits all ones: Inf or NaN
         return not bool(((view & 0x7F80) == 0x7F80).any())
@@ -118,10 +132,13 @@ class FactorStage:
         self._mirror_current = True
         return self._mirror
 
-    def encode(self, factors: Mapping[str, tuple[Any, Any]]) -> tuple[list[str], list[tuple[int, np.ndarray]]]:
-        """Validate and encode for a direct write: (problems, [(tensor, array in storage format)])."""
+    def encode(self, factors: Mapping[str, tuple[Any, Any]]
+               ) -> tuple[list[str], list[tuple[int, np.ndarray]], dict[str, tuple[np.ndarray, np.ndarray]]]:
+        """Validate and encode for a direct write: (problems, [(tensor, array in storage format)],
+        {name: (A, B) as float32}, for the caller's value checks)."""
         problems: list[str] = []
         jobs: list[tuple[int, np.ndarray]] = []
+        floats: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         with np.errstate(over="ignore", invalid="ignore"):
             for name, pair in factors.items():
                 f = self.factors.get(name)
@@ -140,7 +157,8 @@ class FactorStage:
                     problems.append(f"{name}: factors contain NaN or Inf (after conversion to {FLOAT_NAMES[f.type]})")
                 else:
                     jobs += [(f.a, ea), (f.b, eb)]
-        return problems, jobs
+                    floats[name] = (_as_f32(ea, f.type), _as_f32(eb, f.type))
+        return problems, jobs, floats
 
     def write(self, jobs: list[tuple[int, np.ndarray]]) -> None:
         """Publish encoded arrays (call between decodes)."""
@@ -226,6 +244,25 @@ class Mirror:
             if np.isfinite(self._whole).all():  # one pass over the mirror (padding is zero)
                 return []
         return [n for n in touched if not all(_all_finite(v, self._factors[n].type) for v in self.views[n])]
+
+    def largest(self, touched: list[str]) -> float:
+        """max |x| over the mirrored factors of `touched` (NaN if any is NaN, inf if any is infinite).
+
+        One pair of reductions over the whole mirror when `touched` is most of it (padding is zero),
+        so the delta bound costs about what the finiteness test did.
+        """
+        if not touched:
+            return 0.0
+        if self._whole is not None and 4 * self._bytes(touched) >= self.total_bytes:
+            return _max_abs(self._whole)
+        # np.max, not max(): it propagates a NaN wherever it is in the list
+        return float(np.max([_max_abs(_as_f32(v, self._factors[n].type)) for n in touched for v in self.views[n]]))
+
+    def floats(self, name: str) -> tuple[np.ndarray, np.ndarray]:
+        """The mirrored (A, B) of `name` as float32 (copies for F16/BF16)."""
+        t = self._factors[name].type
+        a, b = self.views[name]
+        return _as_f32(a, t), _as_f32(b, t)
 
     def commit(self, touched: list[str]) -> None:
         """Publish the mirrored factors of `touched` to the live tensors (call between decodes)."""

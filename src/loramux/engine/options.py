@@ -14,6 +14,7 @@ from typing import Any
 from ..errors import ParameterError
 
 KV_TYPES = ("f16", "f32", "bf16", "q8_0")
+BANK_NODE_ACCESS = ("auto", "device")  # see SlotBank: in place on host memory, else row transfers
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ class EngineOptions:
     kv_unified: bool = False
     slots: int = 0
     slot_rank: int = 16
+    bank_node_access: str = "auto"
     deterministic: bool = False
     kv_type: str = "f16"
     rpc: tuple[str, ...] = ()
@@ -56,6 +58,9 @@ class EngineOptions:
             problems.append(("slots", f"must be ≥ 0 (0 = no slot bank; got {self.slots})"))
         if self.n_threads is not None and self.n_threads < 1:
             problems.append(("n_threads", f"must be ≥ 1, or None for all cores (got {self.n_threads})"))
+        if self.bank_node_access not in BANK_NODE_ACCESS:
+            problems.append(("bank_node_access", f"must be one of {', '.join(BANK_NODE_ACCESS)} "
+                                                 f"(got {self.bank_node_access!r})"))
         if self.kv_type not in KV_TYPES:
             problems.append(("kv_type", f"must be one of {', '.join(KV_TYPES)} (got {self.kv_type!r})"))
         if problems:
@@ -107,4 +112,4 @@ def parse_endpoints(values: str | Sequence[str], option: str = "rpc") -> tuple[s
     return out
 
 
-__all__ = ["EngineOptions", "KV_TYPES", "parse_endpoint", "parse_endpoints"]
+__all__ = ["BANK_NODE_ACCESS", "EngineOptions", "KV_TYPES", "parse_endpoint", "parse_endpoints"]

@@ -95,7 +95,7 @@ class Engine:
         self.registry = Registry()
         # The slot bank's per-token masks need the batch's token order in every node: a unified KV
         # cache and one ubatch per decode (see bank.py).
-        self.bank = SlotBank(model, opts.slots, opts.slot_rank) if opts.slots else None
+        self.bank = SlotBank(model, opts.slots, opts.slot_rank, node_access=opts.bank_node_access) if opts.slots else None
         self.deterministic = opts.deterministic
         if opts.deterministic:
             _check_deterministic(model, opts.flash_attn, opts.kv_unified)
