@@ -137,6 +137,28 @@ def test_probe_of_a_closed_port_is_unreachable():
     assert e.value.reason == "unreachable" and "loramux rpc-worker" in str(e.value)
 
 
+def test_a_lost_engine_fails_its_requests_and_refuses_new_ones(tiny_model):
+    """What the abort callback triggers, on a local engine: the same path without needing a worker to die."""
+    import loramux as lm
+    from loramux.server.app import create_app, serve_in_thread
+
+    eng = lm.Engine.load(tiny_model, n_ctx=256, n_threads=1)
+    with serve_in_thread(create_app(eng)) as srv:
+        def submit_then_lose():
+            req = eng.submit("the cat", max_tokens=50, ignore_eos=True)  # queued: the step never ran
+            eng.fail_lost("ggml-rpc.cpp:566: Remote RPC server crashed or returned malformed response")
+            return req
+        req = eng.call(submit_then_lose)
+        kind, err = req.events.get(timeout=30)
+        assert kind == "error" and isinstance(err, RpcError) and err.reason == "lost", (kind, err)
+        with pytest.raises(RpcError, match="Remote RPC server crashed"):
+            eng.generate("the cat", max_tokens=2)
+        status, body = _post(srv.url + "/v1/completions", {"prompt": "the cat", "max_tokens": 2})
+        assert status == 503 and body["error"]["code"] == "rpc_unavailable", (status, body)
+        assert eng.closed
+    eng.close()  # returns at once: a lost engine's native handles are never touched again
+
+
 # ------------------------------------------------------------------------------------------ with RPC
 @pytest.mark.slow
 def test_split_over_two_workers_equals_local(rpc_python, workers, tiny_dir):

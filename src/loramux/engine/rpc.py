@@ -17,10 +17,12 @@ Two facts of ggml-rpc shape this module:
 
 from __future__ import annotations
 
+import inspect
 import os
 import socket
 import struct
 import time
+import weakref
 from collections.abc import Callable, Sequence
 
 from .. import _native as N
@@ -114,8 +116,20 @@ def lost_error(message: str) -> RpcError:
 
 
 def on_lost(fn: Callable[[str], None]) -> None:
-    """Call `fn(message)` when this process loses an RPC worker (see `_native.rpc_on_lost`)."""
-    N.rpc_on_lost(fn)
+    """Call `fn(message)` when this process loses an RPC worker (see `_native.rpc_on_lost`).
+
+    A bound method is held weakly, so an engine that was closed and dropped is not kept alive.
+    """
+    if not inspect.ismethod(fn):
+        N.rpc_on_lost(fn)
+        return
+    ref = weakref.WeakMethod(fn)
+
+    def call(message: str) -> None:
+        method = ref()
+        if method is not None:
+            method(message)
+    N.rpc_on_lost(call)
 
 
 def release_connections(endpoints: Sequence[str]) -> int:

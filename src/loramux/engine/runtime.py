@@ -215,6 +215,8 @@ class Engine:
         """The RPC workers' connection broke (called by engine/rpc.py on a llama.cpp thread): fail every
         request and command with a typed RpcError and refuse new ones. The engine thread is parked in
         llama.cpp for good, so nothing can be freed: the process must be replaced (the server does it)."""
+        if self._closed and not self._thread.is_alive():
+            return  # closed before the loss: nothing of it is left to fail
         self.lost = rpc.lost_error(message)
         self._closed = True
         self.scheduler.fail_all(self.lost)
