@@ -714,6 +714,12 @@ if _ggml_reg is not None:
     _ggml_reg.ggml_backend_dev_by_type.restype = ctypes.c_void_p
     _ggml_reg.ggml_backend_dev_name.argtypes = [ctypes.c_void_p]
     _ggml_reg.ggml_backend_dev_name.restype = ctypes.c_char_p
+    _ggml_reg.ggml_backend_dev_count.argtypes = []
+    _ggml_reg.ggml_backend_dev_count.restype = ctypes.c_size_t
+    _ggml_reg.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
+    _ggml_reg.ggml_backend_dev_get.restype = ctypes.c_void_p
+    _ggml_reg.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
+    _ggml_reg.ggml_backend_dev_type.restype = ctypes.c_int
 
 _RpcAddServer = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_char_p)
 _RpcStartServer = ctypes.CFUNCTYPE(None, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_size_t,
@@ -810,14 +816,23 @@ def rpc_devices(endpoint: str) -> list[int]:
     return [int(_ggml_reg.ggml_backend_reg_dev_get(reg, i)) for i in range(n)]
 
 
+def rpc_worker_devices() -> list[tuple[int, str]]:
+    """The devices a worker serves, as llama.cpp's rpc-server picks them: the GPUs (dedicated or
+    integrated) of this build, else the CPU. (pointer, name) pairs."""
+    devs = [_ggml_reg.ggml_backend_dev_get(i) for i in range(_ggml_reg.ggml_backend_dev_count())] if _ggml_reg else []
+    gpus = [d for d in devs if _ggml_reg.ggml_backend_dev_type(d) in (1, 2)]  # GPU, IGPU
+    chosen = gpus or [d for d in devs if _ggml_reg.ggml_backend_dev_type(d) == 0][:1]  # CPU
+    return [(int(d), _ggml_reg.ggml_backend_dev_name(d).decode("utf-8", "replace")) for d in chosen]
+
+
 def rpc_serve(endpoint: str, *, n_threads: int, cache_dir: str | None = None) -> None:
-    """Run llama.cpp's RPC server on `endpoint` with this process's CPU device. Blocks for good.
+    """Run llama.cpp's RPC server on `endpoint` with rpc_worker_devices(). Blocks for good.
 
     Returns only if the server could not start (bad endpoint, port in use: ggml prints why).
     """
     start = _rpc_proc("ggml_backend_rpc_start_server", _RpcStartServer)
-    cpu = _ggml_reg.ggml_backend_dev_by_type(0)  # GGML_BACKEND_DEVICE_TYPE_CPU
-    if not cpu:
-        raise BackendError("ggml_backend_dev_by_type", None, "this llama.cpp has no CPU device")
-    devices = (ctypes.c_void_p * 1)(cpu)
-    start(endpoint.encode(), os.fsencode(cache_dir) if cache_dir else None, n_threads, 1, devices)
+    chosen = rpc_worker_devices()
+    if not chosen:
+        raise BackendError("ggml_backend_dev_get", None, "this llama.cpp has no device to serve")
+    devices = (ctypes.c_void_p * len(chosen))(*(d for d, _ in chosen))
+    start(endpoint.encode(), os.fsencode(cache_dir) if cache_dir else None, n_threads, len(chosen), devices)

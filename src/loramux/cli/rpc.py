@@ -85,8 +85,9 @@ def cmd_rpc_worker(args: argparse.Namespace) -> int:
     server = threading.Thread(target=N.rpc_serve, args=(endpoint,), kwargs={"n_threads": threads, "cache_dir": cache},
                               name="loramux-rpc-worker", daemon=True)
     server.start()
-    print(f"loramux: RPC worker on {endpoint} ({threads} threads{', cache ' + cache if cache else ''}); "
-          "Ctrl-C stops it", file=sys.stderr, flush=True)
+    names = ", ".join(name for _, name in N.rpc_worker_devices())
+    print(f"loramux: RPC worker on {endpoint} serving {names} ({threads} threads"
+          f"{', cache ' + cache if cache else ''}); Ctrl-C stops it", file=sys.stderr, flush=True)
     try:
         while server.is_alive():
             server.join(0.5)  # wake up for Ctrl-C: the server itself never returns to Python
