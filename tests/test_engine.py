@@ -7,7 +7,7 @@ import threading
 import numpy as np
 import pytest
 from conftest import PROMPT, max_diff
-from tinymodel import random_factors, write_tiny_lora
+from tinymodel import base_shapes, random_factors, write_tiny_lora
 
 import loramux as lm
 from loramux.gguf_io import read_adapter_factors, validate_adapter, write_adapter
@@ -307,5 +307,32 @@ def test_a_failing_request_fails_alone(tiny_model, tiny_dir, monkeypatch):
         assert eng.scheduler.snapshot()["running"] == 0
         monkeypatch.setattr(Scheduler, "_sample", original)
         assert eng.generate(PROMPT, max_tokens=12, loras={"a": 1.0}, ignore_eos=True).tokens == solo[0]
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("slots", [0, 2])
+def test_an_adapter_whose_output_overflows_the_kv_cache_fails_its_request_alone(tiny_model, tmp_path, slots):
+    """Inside the load bound (no F32 overflow) a delta can still exceed F16's range: the V cache then holds
+    Inf and the logits turn NaN. Greedy argmax would silently pick token 0; instead that request fails
+    with a typed error naming the adapter, on both the greedy and the sampler path, and the request it
+    shared decodes with finishes."""
+    from loramux.errors import RequestFailed
+
+    t = "blk.0.attn_v.weight"
+    out_dim, in_dim = base_shapes()[t]
+    hot = write_adapter(tmp_path / "hot.gguf", "llama", {t: (np.full((2, in_dim), 300, np.float32),
+                                                             np.full((out_dim, 2), 300, np.float32))}, alpha=2.0)
+    eng = lm.Engine.load(tiny_model, n_ctx=256, n_parallel=2, n_threads=2, slots=slots, slot_rank=4)
+    try:
+        eng.load_lora(hot, name="hot", scale=0.0)
+        solo = eng.generate(PROMPT, max_tokens=8, ignore_eos=True).tokens
+        for temperature in (0.0, 0.8):
+            streams = [eng.stream(PROMPT, max_tokens=8, loras={"hot": 1.0}, temperature=temperature, seed=1),
+                       eng.stream(PROMPT, max_tokens=8, ignore_eos=True)]
+            with pytest.raises(RequestFailed) as err:
+                streams[0].consume()
+            assert err.value.adapters == ["hot"] and "not finite" in str(err.value)
+            assert streams[1].consume().tokens == solo
     finally:
         eng.close()

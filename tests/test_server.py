@@ -241,6 +241,39 @@ def test_errors_are_openai_shaped(shared):
     assert httpx.get(srv.url + "/health").json() == {"status": "ok"}  # still up
 
 
+def test_every_field_is_honoured_or_refused_by_name(shared, caplog):
+    """No field is accepted and ignored: unknown ones are 400s naming them (nested ones by their path);
+    fields clients echo back as null are accepted only as null; store, user and metadata mean what they say."""
+    srv, _, _ = shared
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    cases = [
+        ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2, "best_effort": 1}, "best_effort"),
+        ("/v1/chat/completions", {**chat, "reasoning": {"effort": "low"}}, "reasoning"),
+        ("/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": "hi", "mood": "x"}]},
+         "messages.0.mood"),
+        ("/v1/chat/completions", {**chat, "stream_options": {"include_usage": True, "sometimes": 1}},
+         "stream_options.sometimes"),
+        ("/v1/chat/completions", {**chat, "store": True}, "store"),
+        ("/v1/chat/completions", {**chat, "metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+        ("/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": "hi"},
+                                                       {"role": "assistant", "content": "no", "refusal": "no"}]},
+         "messages.1.refusal"),
+        ("/v1/unload_lora_adapter", {"lora_name": "a", "force": True}, "force"),
+    ]
+    for path, body, param in cases:
+        r = httpx.post(srv.url + path, json=body, headers=ADMIN, timeout=60)
+        assert r.status_code == 400, (body, r.text)
+        assert errbody(r)["param"] == param, (param, r.text)
+    c = client(srv)
+    first = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+    history = [{"role": "user", "content": "hi"}, first.choices[0].message.model_dump(), {"role": "user", "content": "and?"}]
+    with caplog.at_level("INFO", logger="loramux.server"):
+        again = c.chat.completions.create(model="tiny", messages=history, max_tokens=3, store=False, user="u-17",
+                                          metadata={"run": "42"})
+    assert again.choices[0].message.content is not None
+    assert any("u-17" in m and "'run': '42'" in m for m in caplog.messages)
+
+
 def test_chunked_body_over_limit_is_413(shared):
     srv, _, _ = shared
 
@@ -288,7 +321,14 @@ def test_load_use_unload(tiny_model, adir):
         assert r.status_code == 200
         swapped = c.completions.create(model="style", prompt=PROMPTS[0], max_tokens=8, temperature=0).choices[0].text
         assert swapped != got
-        assert httpx.post(srv.url + "/v1/unload_lora_adapter", headers=ADMIN, json={"lora_name": "style"}).status_code == 200
+        sid = r.json()["id"]
+        # vLLM's lora_int_id is honoured: it must name the adapter loaded under that name now
+        r = httpx.post(srv.url + "/v1/unload_lora_adapter", headers=ADMIN,
+                       json={"lora_name": "style", "lora_int_id": sid + 100})
+        assert r.status_code == 409 and errbody(r)["param"] == "lora_int_id"
+        assert "style" in [m.id for m in c.models.list().data]
+        assert httpx.post(srv.url + "/v1/unload_lora_adapter", headers=ADMIN,
+                          json={"lora_name": "style", "lora_int_id": sid}).status_code == 200
         assert "style" not in eng.adapters
         with pytest.raises(openai.NotFoundError):
             c.completions.create(model="style", prompt=PROMPTS[0], max_tokens=8)

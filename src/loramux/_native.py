@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -511,7 +512,18 @@ class ContextHandle(_Handle):
         ptr = C.llama_get_logits_ith(self.ptr, i)
         if not ptr:
             raise BackendError("llama_get_logits_ith", None, f"no logits for row {i}")
-        return int(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).argmax())
+        row = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+        tok = int(row.argmax())
+        if not math.isfinite(row[tok]):  # argmax picks the first NaN, or +Inf: O(1) to see either
+            raise FloatingPointError(f"the logits of row {i} are not finite (NaN or +Inf at token {tok})")
+        return tok
+
+    def logits_finite(self, i: int) -> bool:
+        """Whether output row `i` has no NaN and no +Inf (one pass: max propagates NaN)."""
+        ptr = C.llama_get_logits_ith(self.ptr, i)
+        if not ptr:
+            raise BackendError("llama_get_logits_ith", None, f"no logits for row {i}")
+        return math.isfinite(float(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).max()))
 
     def set_adapters(self, adapters: Sequence[AdapterHandle], scales: Sequence[float]) -> bool:
         """Set the context's adapter set (llama.cpp re-reserves the graph on the next decode).

@@ -319,6 +319,8 @@ class Scheduler:
         if r.sampler is None:
             tok = self.ctx.handle.argmax(idx)
         else:
+            if not self.ctx.handle.logits_finite(idx):  # a sampler would pick garbage from NaN silently
+                raise FloatingPointError(f"the logits of row {idx} are not finite (NaN or +Inf)")
             tok = r.sampler.sample(self.ctx.handle, idx)
             r.sampler.accept(tok)
         if r.first_token_at is None:

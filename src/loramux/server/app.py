@@ -148,7 +148,7 @@ def _adapter_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_adapter(body: UnloadAdapterRequest) -> dict[str, Any]:
-        e = await pool.unload(body.lora_name)
+        e = await pool.unload(body.lora_name, body.lora_int_id)
         state.metrics.forget(e.name)  # a name that is gone leaves the label sets
         return {"message": f"Success: LoRA adapter '{e.name}' removed successfully.", "id": e.id, "name": e.name}
 

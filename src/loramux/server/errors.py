@@ -110,7 +110,10 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         loc = [str(x) for x in e.get("loc", ()) if x != "body"]
         where = ".".join(loc)
         param = param or (where or None)
-        if e.get("type") == "json_invalid":
+        if e.get("type") == "extra_forbidden":
+            parts.append(f"{where}: unknown field; this server does not support it (docs/server.md lists "
+                         "the fields each endpoint takes)")
+        elif e.get("type") == "json_invalid":
             parts.append("the body is not valid JSON: " + str(e.get("ctx", {}).get("error", e.get("msg"))))
         else:
             parts.append(f"{where or 'body'}: {e.get('msg')}")

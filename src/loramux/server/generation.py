@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import secrets
 import time
 import uuid
@@ -23,6 +24,8 @@ from .errors import APIError, from_exception
 from .pool import Entry
 from .schemas import ChatRequest, CompletionRequest, SamplingFields
 from .state import ServerState, Ticket
+
+log = logging.getLogger("loramux.server")
 
 
 @dataclass
@@ -147,6 +150,8 @@ async def _submit(state: ServerState, body: CompletionRequest | ChatRequest, cha
                             "(max_loaded too small for this traffic); retry or raise --max-loaded",
                        code="adapter_capacity")
     job = Job(state, model, chat, body, tokens, entries, started, ticket)
+    if body.user or body.metadata:  # OpenAI's end-user id and tags: what they are for is the log
+        log.info("request %s on %s: user=%r metadata=%r", job.id, model, body.user, body.metadata)
 
     streaming = bool(getattr(body, "stream", False))
 

@@ -215,13 +215,22 @@ class AdapterPool:
             await self._wait(self._make_room(keep={name}))
             return e
 
-    async def unload(self, name: str) -> Entry:
-        """Forget an adapter. Requests already admitted with it finish; later ones get 404."""
+    async def unload(self, name: str, expect_id: int | None = None) -> Entry:
+        """Forget an adapter. Requests already admitted with it finish; later ones get 404.
+
+        `expect_id` (vLLM's `lora_int_id`): unload only if the adapter's id is that one, so a client
+        that lost track (the name was unloaded and loaded again) does not remove the new adapter.
+        """
         async with self.lock:
-            e = self.entries.pop(name, None)
+            e = self.entries.get(name)
             if e is None:
                 raise APIError(404, f"no adapter named {name!r} is loaded", code="adapter_not_found",
                                param="lora_name")
+            if expect_id is not None and e.id != expect_id:
+                raise APIError(409, f"adapter {name!r} has id {e.id}, not lora_int_id {expect_id}: it was "
+                                    "loaded again since; GET /v1/models lists each adapter's lora_id",
+                               code="adapter_id_mismatch", param="lora_int_id")
+            del self.entries[name]
             if e.resident:
                 e.resident = False
                 await asyncio.wrap_future(self._queue_removal(name))

@@ -1,7 +1,9 @@
 """Request bodies of the OpenAI-compatible API, with loramux's extensions.
 
-Unknown OpenAI fields are ignored; fields we cannot honour (n > 1, logprobs, tools, logit_bias...)
-are refused with a 400 that names them, rather than silently ignored. Extensions, as in
+Every field is honoured or refused with a 400 that names it, never accepted and ignored: an unknown
+field is a 400 (`extra="forbid"`), and a known field set to something this server cannot do is
+refused by `unsupported()`. Fields that clients send back as null or empty (an assistant message's
+`refusal`, `annotations`, `audio`, `function_call`) are accepted only so. Extensions, as in
 llama-server and vLLM: `lora` (per-request adapter stack), `control_vector`, `top_k`, `min_p`,
 `repeat_penalty`, `ignore_eos`, `return_token_ids`.
 """
@@ -24,6 +26,9 @@ MAX_LORA_REFS = 32  # entries of a per-request `lora` list
 MAX_NAME_CHARS = 1024  # characters of a `model` or control vector name
 MAX_STRENGTH = 1000.0  # |control_vector.strength|
 MAX_INT32 = 2**31 - 1  # what llama.cpp's sampler takes for top_k
+MAX_METADATA = 16  # OpenAI's limits for `metadata`: 16 pairs, keys ≤ 64 and values ≤ 512 characters
+MAX_METADATA_KEY, MAX_METADATA_VALUE = 64, 512
+MAX_USER_CHARS = 256
 
 
 def _check_text(texts: Iterable[str], what: str) -> None:
@@ -37,7 +42,7 @@ def _check_text(texts: Iterable[str], what: str) -> None:
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class LoraRef(_Body):
@@ -83,7 +88,9 @@ class SamplingFields(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    user: str | None = Field(default=None, max_length=MAX_USER_CHARS)  # logged with the request
+    metadata: dict[str, str] | None = None  # logged with the request (OpenAI's 16 pairs)
+    store: bool | None = None  # loramux stores nothing: only false/null
     ignore_eos: bool = False
     return_token_ids: bool = False
     lora: list[LoraRef] | None = Field(default=None, max_length=MAX_LORA_REFS)
@@ -103,9 +110,24 @@ class SamplingFields(_Body):
         _check_text(items, "a stop string")
         return v
 
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, v: dict[str, str] | None) -> dict[str, str] | None:
+        if v is None:
+            return v
+        if len(v) > MAX_METADATA:
+            raise ValueError(f"at most {MAX_METADATA} metadata pairs, got {len(v)}")
+        if any(len(k) > MAX_METADATA_KEY or len(x) > MAX_METADATA_VALUE for k, x in v.items()):
+            raise ValueError(f"metadata keys may have at most {MAX_METADATA_KEY} characters and values "
+                             f"{MAX_METADATA_VALUE}")
+        _check_text([*v, *v.values()], "metadata")
+        return v
+
     def unsupported(self) -> list[tuple[str, str]]:
         """(parameter, why) for every field set to something this server cannot do."""
         out = []
+        if self.store:
+            out.append(("store", "loramux does not store completions; send store: false or leave it out"))
         if self.n != 1:
             out.append(("n", "only n=1 is supported; send several requests instead"))
         if self.logit_bias:
@@ -162,12 +184,30 @@ class CompletionRequest(SamplingFields):
 class TextPart(_Body):
     type: str
     text: str | None = None
+    # Anthropic-style prompt-caching hint (Open WebUI sends it): loramux always reuses the KV of a
+    # prefix it has just decoded, so the hint asks for what already happens
+    cache_control: dict[str, str] | None = None
 
 
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    # what an assistant message carries when a client sends a response's message back: null or empty only
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: dict[str, Any] | None = None
+    function_call: dict[str, Any] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+    def unsupported(self, i: int) -> list[tuple[str, str]]:
+        """(parameter, why) for fields of message i this server cannot honour when set."""
+        out = []
+        for field in ("refusal", "annotations", "audio", "function_call", "tool_calls", "tool_call_id"):
+            if getattr(self, field):
+                out.append((f"messages.{i}.{field}", f"{field} in a message is not supported; send it as null"))
+        return out
 
     @field_validator("content")
     @classmethod
@@ -205,6 +245,8 @@ class ChatRequest(SamplingFields):
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = super().unsupported()
+        for i, m in enumerate(self.messages):
+            out += m.unsupported(i)
         if self.logprobs or self.top_logprobs:
             out.append(("logprobs", "logprobs are not returned by this server"))
         if self.tools or self.functions or self.tool_choice not in (None, "none"):
