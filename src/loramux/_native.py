@@ -848,3 +848,22 @@ def rpc_serve(endpoint: str, *, n_threads: int, cache_dir: str | None = None) ->
         raise BackendError("ggml_backend_dev_get", None, "this llama.cpp has no device to serve")
     devices = (ctypes.c_void_p * len(chosen))(*(d for d, _ in chosen))
     start(endpoint.encode(), os.fsencode(cache_dir) if cache_dir else None, n_threads, len(chosen), devices)
+
+
+# --------------------------------------------------------------------------------------------
+# Scoring and n > 1: sharing a prompt's KV between sequences
+# --------------------------------------------------------------------------------------------
+
+def memory_seq_cp(ctx: ContextHandle, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+    """Make sequence `dst` share the KV cells of `src` at positions [p0, p1) (no data is copied in a
+    unified cache: the cells gain `dst`'s id). Only for a unified KV cache: across per-sequence streams
+    llama.cpp supports whole-stream copies only."""
+    C.llama_memory_seq_cp(C.llama_get_memory(ctx.ptr), src, dst, p0, p1)
+
+
+def logits_view(ctx: ContextHandle, i: int) -> np.ndarray:
+    """The logits of output row `i` of the last batch, in place (no copy): valid until the next decode."""
+    ptr = C.llama_get_logits_ith(ctx.ptr, i)
+    if not ptr:
+        raise BackendError("llama_get_logits_ith", None, f"no logits for row {i}")
+    return np.ctypeslib.as_array(ptr, shape=(ctx.n_vocab,))

@@ -34,6 +34,7 @@ from .options import EngineOptions
 from .registry import AdapterSet, LoraArg, Registry, check_scale
 from .sampling import Completion, SamplingParams, fallback_template, render_chat
 from .scheduler import Phase, Request, Scheduler
+from .scoring import Scoring, TokenLogprob, score_many
 
 T = TypeVar("T")
 log = logging.getLogger("loramux")
@@ -407,8 +408,10 @@ class Engine:
 
     # ------------------------------------------------------------------ generation
     def submit(self, prompt: str | Sequence[int], *, loras: LoraArg = None, control: ControlArg = Inherit.ENGINE,
-               on_event: Callable[[str, Any], None] | None = None, **sampling: Any) -> Request:
-        """Queue a generation; events arrive on `request.events` (and `on_event`, on the engine thread)."""
+               on_event: Callable[[str, Any], None] | None = None, share: Request | None = None,
+               **sampling: Any) -> Request:
+        """Queue a generation; events arrive on `request.events` (and `on_event`, on the engine thread).
+        `share`: an earlier request on the same prompt and adapters whose prompt KV this one reuses (n > 1)."""
         params = SamplingParams(**sampling).validate()
         tokens = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         if not tokens:
@@ -419,10 +422,11 @@ class Engine:
             aset = self.registry.adapter_set(loras)
             cv = self.control if control is Inherit.ENGINE else control
             phases, alora = _phases(aset, cv, tokens)
-            req = Request(tokens, params, phases, alora, on_event=on_event)
+            req = Request(tokens, params, phases, alora, on_event=on_event,
+                          scoring=Scoring.wanted(params.prompt_logprobs, params.logprobs), share=share)
             for a, _ in aset.items:
                 a.version  # noqa: B018 - fingerprint taken now; later writes make a new key
-            if params.max_tokens == 0:
+            if params.max_tokens == 0 and params.prompt_logprobs is None:
                 req.emit("done", Completion("", [], "length", len(tokens), aset.as_dict(), alora))
             else:
                 self.scheduler.submit(req)
@@ -457,6 +461,25 @@ class Engine:
         tokens = self.tokenize(prompt, add_bos=False)
         s = self.stream(tokens, loras=loras, **sampling)
         return s if stream else s.consume()
+
+    # ------------------------------------------------------------------ scoring
+    def logprobs(self, prompt: str | Sequence[int], *, loras: LoraArg = None, top_logprobs: int = 0,
+                 max_tokens: int = 0, **sampling: Any) -> Completion:
+        """Score a prompt through the serving scheduler: `.prompt_logprobs` holds every prompt token's
+        log-probability (the first None) with its `top_logprobs` alternatives; with max_tokens > 0 it also
+        generates, and `.logprobs` holds the generated tokens' (see docs/scoring.md)."""
+        return self.generate(prompt, loras=loras, max_tokens=max_tokens, prompt_logprobs=top_logprobs,
+                             logprobs=top_logprobs if max_tokens else None, **sampling)
+
+    def score(self, prompts: Sequence[str | Sequence[int]], *,
+              loras: Mapping[str, float] | Sequence[LoraArg] | None = None,
+              top_logprobs: int = 0, control: ControlArg = Inherit.ENGINE) -> list[list[TokenLogprob]]:
+        """Per-token log-probabilities of several prompts at once, each under its own adapter set
+        (`loras`: a mapping for all of them, or a list with one set per prompt). They share decode steps: with a slot
+        bank, prompts on different adapters are scored in the same batch. Entry 0 of each is the first
+        token, whose logprob is None; entry i is log p(prompt[i] | prompt[:i]), the negated per-token NLL
+        of `Engine.loss`."""
+        return score_many(self, prompts, loras, top_logprobs, control)
 
     # ------------------------------------------------------------------ evaluation
     def _eval(self) -> Context:
@@ -561,6 +584,8 @@ class TextStream(Iterator[str]):
         if self.completion is not None:
             raise StopIteration
         kind, value = self.request.events.get()
+        while kind in ("logprobs", "prompt_logprobs"):  # scores also arrive in the Completion
+            kind, value = self.request.events.get()
         if kind == "text":
             return value
         if kind == "error":

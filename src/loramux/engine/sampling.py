@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ParameterError
+from .scoring import TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -28,9 +29,15 @@ class SamplingParams:
     seed: int = 0
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # top-N log-probabilities of each generated token (None: none; ≤ 20)
+    prompt_logprobs: int | None = None  # the same for every prompt token (scoring; see scoring.py)
 
     def validate(self) -> SamplingParams:
         problems = []
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 20):
+                problems.append((name, f"must be an integer in [0, 20] or None, got {v!r}"))
         if self.max_tokens < 0:
             problems.append(("max_tokens", "must be ≥ 0"))
         for name in ("temperature", "top_p", "min_p", "repeat_penalty"):
@@ -56,6 +63,10 @@ class Completion:
     prompt_tokens: int
     loras: dict[str, float] = field(default_factory=dict)
     alora: dict[str, bool] = field(default_factory=dict)  # aLoRA name -> invocation found in the prompt
+    # Per-token log-probabilities (engine/scoring.py TokenLogprob) when the request asked for them:
+    # `logprobs` of the generated tokens, `prompt_logprobs` of every prompt token (the first has None).
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     @property
     def completion_tokens(self) -> int:

@@ -123,19 +123,22 @@ async def start(state: ServerState, body: CompletionRequest | ChatRequest, chat:
                        param=bad[0][0])
     ticket = state.admit()  # 429 when the queue is full
     try:
-        job = await _submit(state, body, chat, ticket)
+        job = await submit_job(state, body, chat, ticket)
     except BaseException:
         ticket.release()
         raise
     return job
 
 
-async def _submit(state: ServerState, body: CompletionRequest | ChatRequest, chat: bool, ticket: Ticket) -> Job:
+async def submit_job(state: ServerState, body: CompletionRequest | ChatRequest, chat: bool, ticket: Ticket | None,
+                     tokens: list[int] | None = None, extra: dict[str, Any] | None = None) -> Job:
+    """Resolve a request's adapters and hand it to the engine. `tokens`: its prompt, when the caller
+    tokenized it already; `extra`: more engine settings (scoring's logprobs, a sequence's seed)."""
     started = time.monotonic()
     loras = state.pool.requested_set(body.model, body.lora)
     control = await state.control_setting(body.control_vector)
-    tokens = await prompt_tokens(state, body)
-    sampling = sampling_args(body, len(tokens), state.engine.n_ctx, chat)
+    tokens = tokens if tokens is not None else await prompt_tokens(state, body)
+    sampling = {**sampling_args(body, len(tokens), state.engine.n_ctx, chat), **(extra or {})}
     if sampling["stop"]:
         await asyncio.to_thread(StopMatcher.prepare, sampling["stop"])  # not on the engine thread
     model = body.model or state.base_name
@@ -156,8 +159,8 @@ async def _submit(state: ServerState, body: CompletionRequest | ChatRequest, cha
     streaming = bool(getattr(body, "stream", False))
 
     def on_event(kind: str, value: Any) -> None:  # engine thread
-        if kind == "text" and not streaming:
-            return  # nobody reads them: the completion carries the whole text
+        if kind in ("text", "logprobs", "prompt_logprobs") and not streaming:
+            return  # nobody reads them: the completion carries the whole text and every logprob
         try:
             loop.call_soon_threadsafe(job.queue.put_nowait, (kind, value))
         except RuntimeError:  # the loop is gone (shutdown): nobody is listening
@@ -186,7 +189,8 @@ async def _submit(state: ServerState, body: CompletionRequest | ChatRequest, cha
     return job
 
 
-async def _wait_disconnect(request: HTTPRequest) -> None:
+async def wait_disconnect(request: HTTPRequest) -> None:
+    """Return once the client has gone."""
     while True:
         msg = await request.receive()
         if msg["type"] == "http.disconnect":
@@ -205,7 +209,7 @@ async def _drain(job: Job) -> Any:
 async def collect(job: Job, http: HTTPRequest) -> dict[str, Any] | None:
     """Wait for the whole completion and build the body; None (request cancelled) if the client left."""
     drain = asyncio.ensure_future(_drain(job))
-    watch = asyncio.ensure_future(_wait_disconnect(http))
+    watch = asyncio.ensure_future(wait_disconnect(http))
     try:
         await asyncio.wait({drain, watch}, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -310,4 +314,4 @@ async def stream(job: Job) -> AsyncIterator[str]:
         job.finish(499)  # no-op when it finished above; otherwise the client went away
 
 
-__all__ = ["Job", "collect", "sampling_args", "start", "stream"]
+__all__ = ["Job", "collect", "prompt_tokens", "sampling_args", "start", "stream", "submit_job", "wait_disconnect"]

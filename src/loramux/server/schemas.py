@@ -5,7 +5,7 @@ field is a 400 (`extra="forbid"`), and a known field set to something this serve
 refused by `unsupported()`. Fields that clients send back as null or empty (an assistant message's
 `refusal`, `annotations`, `audio`, `function_call`) are accepted only so. Extensions, as in
 llama-server and vLLM: `lora` (per-request adapter stack), `control_vector`, `top_k`, `min_p`,
-`repeat_penalty`, `ignore_eos`, `return_token_ids`.
+`repeat_penalty`, `ignore_eos`, `return_token_ids`, `prompt_logprobs` (docs/scoring.md).
 """
 
 from __future__ import annotations
@@ -26,6 +26,10 @@ MAX_LORA_REFS = 32  # entries of a per-request `lora` list
 MAX_NAME_CHARS = 1024  # characters of a `model` or control vector name
 MAX_STRENGTH = 1000.0  # |control_vector.strength|
 MAX_INT32 = 2**31 - 1  # what llama.cpp's sampler takes for top_k
+MAX_TOP_LOGPROBS = 20  # logprobs / top_logprobs / prompt_logprobs alternatives per token (OpenAI's bound)
+MAX_PROMPTS = 64  # prompts of one /v1/completions request
+MAX_N = 16  # n and best_of
+MAX_CHOICES = 128  # sequences one request may run: prompts × best_of (or n)
 MAX_METADATA = 16  # OpenAI's limits for `metadata`: 16 pairs, keys ≤ 64 and values ≤ 512 characters
 MAX_METADATA_KEY, MAX_METADATA_VALUE = 64, 512
 MAX_USER_CHARS = 256
@@ -84,7 +88,7 @@ class SamplingFields(_Body):
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     seed: int | None = None
     stop: str | list[str] | None = None
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
@@ -128,8 +132,6 @@ class SamplingFields(_Body):
         out = []
         if self.store:
             out.append(("store", "loramux does not store completions; send store: false or leave it out"))
-        if self.n != 1:
-            out.append(("n", "only n=1 is supported; send several requests instead"))
         if self.logit_bias:
             out.append(("logit_bias", "logit_bias is not supported"))
         return out
@@ -153,21 +155,32 @@ class CompletionRequest(SamplingFields):
         _check_text(texts, "the prompt")
         return v
 
-    logprobs: int | None = None
-    best_of: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)  # vLLM's extension
+    best_of: int | None = Field(default=None, ge=1, le=MAX_N)
     suffix: str | None = None
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = super().unsupported()
-        if self.echo:
-            out.append(("echo", "echo is not supported"))
-        if self.logprobs:
-            out.append(("logprobs", "logprobs are not returned by this server"))
-        if self.best_of not in (None, 1):
-            out.append(("best_of", "only best_of=1 is supported"))
+        n_prompts = len(self.prompt_list())
+        if n_prompts > MAX_PROMPTS:
+            out.append(("prompt", f"at most {MAX_PROMPTS} prompts per request, got {n_prompts}"))
+        if self.best_of is not None and self.best_of < self.n:
+            out.append(("best_of", f"best_of ({self.best_of}) must be at least n ({self.n})"))
+        if self.best_of is not None and self.best_of > self.n and self.stream:
+            out.append(("best_of", "best_of > n cannot be streamed (the best are known only at the end)"))
+        if n_prompts * max(self.n, self.best_of or 1) > MAX_CHOICES:
+            out.append(("n", f"prompts × max(n, best_of) may be at most {MAX_CHOICES}"))
         if self.suffix:
             out.append(("suffix", "suffix (insertion) is not supported"))
         return out
+
+    def prompt_list(self) -> list[str | list[int]]:
+        """Every prompt of the request, in order: a string, or token ids."""
+        p: Any = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            return list(p)
+        return [p]
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt of this request (a string or token ids); several prompts are refused."""
@@ -237,7 +250,7 @@ class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(default=None, ge=0)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
@@ -247,8 +260,8 @@ class ChatRequest(SamplingFields):
         out = super().unsupported()
         for i, m in enumerate(self.messages):
             out += m.unsupported(i)
-        if self.logprobs or self.top_logprobs:
-            out.append(("logprobs", "logprobs are not returned by this server"))
+        if self.top_logprobs is not None and not self.logprobs:
+            out.append(("top_logprobs", "top_logprobs needs logprobs: true"))
         if self.tools or self.functions or self.tool_choice not in (None, "none"):
             out.append(("tools", "tool calling is not supported"))
         if self.response_format and self.response_format.get("type") not in (None, "text"):
@@ -258,6 +271,44 @@ class ChatRequest(SamplingFields):
     def message_dicts(self) -> list[dict[str, str]]:
         return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                 for m in self.messages]
+
+
+MAX_DETOKENIZE = 1 << 17  # token ids of one /detokenize request
+
+
+class TokenizeRequest(_Body):
+    """POST /tokenize: vLLM's body (`prompt` or chat `messages`) or llama-server's (`content`)."""
+
+    model: str | None = Field(default=None, max_length=MAX_NAME_CHARS)
+    prompt: str | None = Field(default=None, max_length=MAX_PROMPT_CHARS)
+    content: str | None = Field(default=None, max_length=MAX_PROMPT_CHARS)  # llama-server's name
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1, max_length=MAX_MESSAGES)
+    add_special_tokens: bool | None = None  # vLLM: BOS for a prompt (default true), none for messages
+    add_special: bool | None = None  # llama-server's name for the same
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False  # vLLM: also each token's text
+    with_pieces: bool = False  # llama-server: tokens as {"id", "piece"}
+
+    @field_validator("prompt", "content")
+    @classmethod
+    def _text(cls, v: str | None) -> str | None:
+        if v is not None:
+            _check_text([v], "the text")
+        return v
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        given = [k for k in ("prompt", "content", "messages") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of 'prompt', 'content' or 'messages'")
+        return self
+
+
+class DetokenizeRequest(_Body):
+    """POST /detokenize (vLLM's body; llama-server's is the same)."""
+
+    model: str | None = Field(default=None, max_length=MAX_NAME_CHARS)
+    tokens: list[int] = Field(max_length=MAX_DETOKENIZE)
 
 
 class LoadAdapterRequest(_Body):
@@ -284,7 +335,7 @@ class AdapterScale(_Body):
     scale: float = 0.0
 
 
-__all__ = ["MAX_CONTENT_CHARS", "MAX_CONTENT_PARTS", "MAX_LORA_REFS", "MAX_MESSAGES", "MAX_NAME_CHARS",
-           "MAX_PROMPT_CHARS", "MAX_STOP", "MAX_STOP_CHARS", "MAX_STRENGTH", "AdapterScale", "ChatMessage",
-           "ChatRequest", "CompletionRequest", "ControlRef",
+__all__ = ["MAX_CHOICES", "MAX_CONTENT_CHARS", "MAX_CONTENT_PARTS", "MAX_LORA_REFS", "MAX_MESSAGES", "MAX_N",
+           "MAX_NAME_CHARS", "MAX_PROMPTS", "MAX_PROMPT_CHARS", "MAX_TOP_LOGPROBS", "MAX_STOP", "MAX_STOP_CHARS", "MAX_STRENGTH", "AdapterScale", "ChatMessage",
+           "ChatRequest", "CompletionRequest", "ControlRef", "DetokenizeRequest", "MAX_DETOKENIZE", "TokenizeRequest",
            "LoadAdapterRequest", "LoraRef", "SamplingFields", "StreamOptions", "UnloadAdapterRequest"]
