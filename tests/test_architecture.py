@@ -21,6 +21,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("engine", ("engine",)),
     ("features", ("convert", "merging", "inspect", "probes", "probe_refs", "drift_report", "train", "evaluate")),
     ("server", ("server",)),
+    ("deploy", ("ray",)),
     ("cli", ("cli", "__main__")),
 ]
 # The package itself only re-exports, lazily (`loramux.__getattr__`).

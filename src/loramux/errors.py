@@ -28,6 +28,7 @@ Every public error is defined here. The tree (``code`` is what the server puts i
     │   └── ChatTemplateError       invalid_chat_template the chat template refused or failed on the messages
     ├── EngineClosedError           engine_closed        (also a RuntimeError)
     ├── RequestFailed               request_failed       one request failed; the others go on
+    ├── RpcError                    rpc_unavailable      an RPC worker is unreachable or was lost
     ├── TrainingError               training_error
     └── ProbeMismatch               probe_mismatch
 """
@@ -286,6 +287,23 @@ class RequestFailed(LoramuxError):
                               "check or reload that adapter")
 
 
+class RpcError(LoramuxError):
+    """llama.cpp's RPC backend cannot be used: this build lacks it, a worker is unreachable, or was lost.
+
+    `endpoint` is the worker ("host:port"; None when the build lacks RPC), `reason` what happened:
+    "unsupported" (no -DGGML_RPC=on), "invalid" (not host:port), "unreachable", "version" (another
+    protocol) or "lost" (the connection broke while serving; this process cannot use RPC again).
+    """
+
+    code = "rpc_unavailable"
+
+    def __init__(self, endpoint: str | None, reason: str, message: str, *, hint: str | None = None):
+        self.endpoint = endpoint
+        self.reason = reason
+        where = f"RPC worker {endpoint}" if endpoint else "RPC"
+        super().__init__(f"{where}: {message}", hint=hint)
+
+
 class TrainingError(LoramuxError):
     """Zeroth-order training stopped (bad data, non-finite loss); factors were restored."""
 
@@ -306,6 +324,7 @@ class ProbeMismatch(LoramuxError):
 __all__ = [
     "AdapterError", "AdapterNotFoundError", "BackendError", "ChecksumError", "ContextLengthError",
     "ControlVectorError", "ConversionError", "DownloadCancelled", "DownloadError", "DownloadRefused",
-    "ChatTemplateError", "EngineClosedError", "FactorError", "GGUFFormatError", "GrammarError", "LoramuxError", "ModelError", "ParameterError",
-    "ProbeMismatch", "RequestFailed", "ScaleError", "SlotsBusyError", "SourceError", "TrainingError",
+    "ChatTemplateError", "EngineClosedError", "FactorError", "GGUFFormatError", "GrammarError", "LoramuxError",
+    "ModelError", "ParameterError", "ProbeMismatch", "RequestFailed", "RpcError", "ScaleError", "SlotsBusyError",
+    "SourceError", "TrainingError",
 ]

@@ -25,6 +25,7 @@ from .. import _native as N
 from .. import config
 from ..errors import AdapterError, ContextLengthError, EngineClosedError, ParameterError
 from ..sources import resolve
+from . import rpc
 from .adapters import CheckedAdapter, LoRAAdapter
 from .bank import SlotBank
 from .chat import ChatTemplate, special_texts, tokenize_chat, user_strings
@@ -122,6 +123,7 @@ class Engine:
         self._wake = threading.Event()
         self._busy = threading.Lock()  # held by the engine thread while it runs commands or a step
         self._closed = False
+        self.lost: Exception | None = None  # set when the RPC workers holding the model were lost
         self._thread = threading.Thread(target=self._loop, name="loramux-engine", daemon=True)
         self._thread.start()
 
@@ -136,7 +138,8 @@ class Engine:
         `loramux.sources.SourceOptions`). With `slots=K`, a slot bank of K adapters of rank ≤
         `slot_rank` lets requests on different adapters share every decode step (see bank.py). With
         `deterministic=True` a request's tokens do not depend on what else is batched with it
-        (batch-invariant kernels; see README). If any adapter fails, the whole load fails with that
+        (batch-invariant kernels; see README). With `rpc=["host:port", ...]` the base model's layers
+        live on llama.cpp RPC workers (engine/rpc.py; docs/distributed.md). If any adapter fails, the whole load fails with that
         adapter's error and nothing stays loaded.
         """
         engine_names = {f.name for f in fields(EngineOptions)}
@@ -147,13 +150,16 @@ class Engine:
             if opts.flash_attn or opts.kv_unified:
                 _check_deterministic(None, opts.flash_attn, opts.kv_unified)
             N.enable_batch_invariant_kernels()
-        m = Model(path, n_gpu_layers=opts.n_gpu_layers, use_mmap=opts.use_mmap, use_mlock=opts.use_mlock,
-                  repack=not opts.deterministic)
+        devices = rpc.connect(opts.rpc) if opts.rpc else []  # typed errors here, before llama.cpp connects
+        m = Model(path, n_gpu_layers=(opts.n_gpu_layers or -1) if opts.rpc else opts.n_gpu_layers,
+                  use_mmap=opts.use_mmap, use_mlock=opts.use_mlock, repack=not opts.deterministic, devices=devices)
         try:
             eng = cls(m, opts)
         except BaseException:
             m.close()
             raise
+        if opts.rpc:
+            rpc.on_lost(eng.fail_lost)
         try:
             for spec in loras:
                 spec = LoraSpec.parse(spec) if isinstance(spec, str) else spec
@@ -197,13 +203,27 @@ class Engine:
                 self._wake.wait(0.5)
                 self._wake.clear()
         # commands queued after close() began are answered, never left hanging
+        self._drain_commands(EngineClosedError("the engine was closed"))
+
+    def _drain_commands(self, error: Exception) -> None:
         while True:
             try:
                 item = self._commands.get_nowait()
             except queue.Empty:
                 break
             if item is not None:
-                item[1].set_exception(EngineClosedError("the engine was closed"))
+                item[1].set_exception(error)
+
+    def fail_lost(self, message: str) -> None:
+        """The RPC workers' connection broke (called by engine/rpc.py on a llama.cpp thread): fail every
+        request and command with a typed RpcError and refuse new ones. The engine thread is parked in
+        llama.cpp for good, so nothing can be freed: the process must be replaced (the server does it)."""
+        if self._closed and not self._thread.is_alive():
+            return  # closed before the loss: nothing of it is left to fail
+        self.lost = rpc.lost_error(message)
+        self._closed = True
+        self.scheduler.fail_all(self.lost)
+        self._drain_commands(self.lost)
 
     @property
     def closed(self) -> bool:
@@ -244,7 +264,7 @@ class Engine:
         if self._commands.empty() and self._busy.acquire(blocking=False):
             try:
                 if self._closed:
-                    raise EngineClosedError("the engine is closed")
+                    raise self.lost or EngineClosedError("the engine is closed")
                 return fn()
             finally:
                 self._busy.release()
@@ -257,7 +277,7 @@ class Engine:
         submit against an adapter's removal.
         """
         if self._closed:
-            raise EngineClosedError("the engine is closed")
+            raise self.lost or EngineClosedError("the engine is closed")
         fut: Future[T] = Future()
         self._commands.put((fn, fut))
         self._wake.set()
@@ -544,8 +564,8 @@ class Engine:
 
     def close(self) -> None:
         """Stop the engine thread, fail queued requests, free adapters, contexts and the model. Idempotent."""
-        if self._closed and not self._thread.is_alive():
-            return
+        if (self._closed and not self._thread.is_alive()) or self.lost:
+            return  # lost: the engine thread and every native handle are stuck in llama.cpp
         if self._thread.is_alive():
             try:
                 self.call(lambda: self.scheduler.fail_all(EngineClosedError("the engine was closed")))

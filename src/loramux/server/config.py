@@ -85,6 +85,7 @@ class ServerSettings:
     n_batch: int = 512
     threads: int | None = None
     gpu_layers: int = 0
+    rpc: tuple[str, ...] = ()  # llama.cpp RPC workers ("host:port") that hold the base model's layers
     slots: int = 4  # slot bank: K adapters share every decode (0 = rotate adapter-set groups)
     slot_rank: int = 16
     deterministic: bool = False  # batch-invariant kernels: outputs do not depend on the batch
@@ -133,7 +134,7 @@ class ServerSettings:
         for k in sorted(set(data) - known):
             problems.append(f"unknown key {k!r} (known: {', '.join(sorted(known | {'lora', 'control_vector'}))})")
         kwargs = {k: v for k, v in data.items() if k in known}
-        for k in ("adapter_dirs", "allowed_hosts"):
+        for k in ("adapter_dirs", "allowed_hosts", "rpc"):
             if isinstance(kwargs.get(k), list):
                 kwargs[k] = tuple(str(d) for d in kwargs[k])
         if problems:
@@ -218,7 +219,7 @@ class ServerSettings:
         """The engine these settings ask for (raises ParameterError naming a bad option)."""
         return EngineOptions(n_ctx=self.n_ctx, n_parallel=self.parallel, n_batch=self.n_batch,
                              n_threads=self.threads, n_gpu_layers=self.gpu_layers, slots=self.slots,
-                             slot_rank=self.slot_rank, deterministic=self.deterministic)
+                             slot_rank=self.slot_rank, deterministic=self.deterministic, rpc=self.rpc)
 
     def build_engine(self) -> Engine:
         """Load the base model and the start adapters (loaded, not in the global set unless `apply`)."""
