@@ -391,8 +391,7 @@ class Scheduler:
         else:
             if not self.ctx.handle.logits_finite(idx):  # a sampler would pick garbage from NaN silently
                 raise FloatingPointError(f"the logits of row {idx} are not finite (NaN or +Inf)")
-            tok = r.sampler.sample(self.ctx.handle, idx)
-            r.sampler.accept(tok)
+            tok = r.sampler.sample(self.ctx.handle, idx)  # llama_sampler_sample accepts the token itself
         if r.scoring is not None:
             entry = r.scoring.on_token(self.ctx.handle, idx, tok)  # the EOG token too: clients count it
             if entry is not None:
