@@ -6,6 +6,8 @@ on the same llama.cpp build, so the bank's gain and its ceiling on this machine 
 - base:          8 sequences, 1 token each, no adapter (no bank can be cheaper than this);
 - one adapter:   the same step with every sequence on one native rank-r adapter;
 - slot bank:     the 8 sequences spread over 4 adapters in a K=4 bank (per-token masks);
+- masks by row transfer: the same, with the masks moved through ggml_backend_tensor_get/set of the
+                 rows they change (the path for node outputs off the host: a GPU, RPC), forced on the CPU;
 - bank, no masks: the bank in the graph without the eval callback (output wrong; it splits the
                  bank's cost into its wider factors and its masks);
 - rotation:      what llama-server does with 4 adapter sets: 4 steps of 2 sequences, switching the
@@ -115,11 +117,22 @@ def build(args: argparse.Namespace, work: Path) -> tuple[list[System], list[Syst
             run(ctx, groups, mask, switch, fill)
         return one_token_each
 
+    def by_transfer(fn: Callable[[Any, int, int], None]) -> Callable[[Any, int, int], None]:
+        """The same step with the masks applied the way a GPU or RPC node needs (tensor get/set of the rows)."""
+        def device(ctx: Any, pos: int, it: int) -> None:
+            bank.node_access = "device"
+            try:
+                fn(ctx, pos, it)
+            finally:
+                bank.node_access = "auto"
+        return device
+
     systems = []
     for label, cb, loras, fn in [
         ("base (no adapter)", None, [], step(every)),
         (f"one adapter (native rank {args.rank})", None, [adapters[0]], step(every)),
         (f"slot bank K={N_ADAPTERS}×r{bank.r}, masks", bank.callback, [bank.adapter], step(every, mask=True)),
+        ("slot bank, masks by row transfer", bank.callback, [bank.adapter], by_transfer(step(every, mask=True))),
         ("slot bank, no masks (cost split only)", None, [bank.adapter], step(every)),
         ("rotation: 4 sets × 2 sequences", None, [adapters[0]], step(by_adapter, switch=True)),
         ("4 × 2 sequences, no adapter switch", None, [adapters[0]], step(by_adapter)),
@@ -142,7 +155,7 @@ def build(args: argparse.Namespace, work: Path) -> tuple[list[System], list[Syst
             run(ctx, groups, mask, switch, prompts)
         return all_prompts
 
-    base_ctx, bank_ctx, rot_ctx = systems[0].ctx, systems[2].ctx, systems[4].ctx
+    base_ctx, bank_ctx, rot_ctx = systems[0].ctx, systems[2].ctx, systems[5].ctx
     fills = [System("base, one shared batch", base_ctx, prefill_with(every, False, False)),
              System("slot bank, one shared batch (masked)", bank_ctx, prefill_with(every, True, False)),
              System(f"slot bank, {N_ADAPTERS} batches grouped by adapter", bank_ctx,
@@ -203,7 +216,7 @@ def main() -> None:
 
 def report(systems: list[System], args: argparse.Namespace) -> None:
     med = {s.label: median(s.times) for s in systems}
-    base, one, bank, unmasked, rot, groups = (med[s.label] for s in systems)
+    base, one, bank, transfer, unmasked, rot, groups = (med[s.label] for s in systems)
     rows = [[s.label, f"{med[s.label] * 1e3:.1f}", f"{N_SEQ / med[s.label]:.0f}",
              f"{rot / med[s.label]:.2f}×", f"{one / med[s.label]:.2f}×"] for s in systems]
     print_table(f"one decode step of {N_SEQ} sequences ({N_ADAPTERS} adapters of rank {args.rank}, "
@@ -215,6 +228,8 @@ def report(systems: list[System], args: argparse.Namespace) -> None:
     print(f"bank overhead over the base step: {(bank - base) * 1e3:.1f} ms (wider factors "
           f"{(unmasked - base) * 1e3:.1f} ms, masks {(bank - unmasked) * 1e3:.1f} ms); "
           f"native rank {args.rank}: {(one - base) * 1e3:.1f} ms")
+    print(f"masks by row transfer (the GPU/RPC path, forced here): {bank / transfer:.2f}× the speed of masking "
+          f"in place ({(transfer - bank) * 1e3:+.2f} ms a step)")
 
 
 def report_prefill(fills: list[System], args: argparse.Namespace) -> None:

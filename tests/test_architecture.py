@@ -19,8 +19,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("boundaries", ("_native", "gguf_io")),
     ("sources", ("sources",)),
     ("engine", ("engine",)),
-    ("features", ("convert", "merging", "inspect", "probes", "probe_refs", "drift_report", "train")),
+    ("features", ("convert", "merging", "inspect", "probes", "probe_refs", "drift_report", "train", "evaluate")),
     ("server", ("server",)),
+    ("deploy", ("ray",)),
     ("cli", ("cli", "__main__")),
 ]
 # The package itself only re-exports, lazily (`loramux.__getattr__`).

@@ -101,7 +101,7 @@ HOT_REQUESTS = [("/v1/completions", {"model": h, "prompt": PROMPTS[1], "max_toke
                           "ignore_eos": True, "lora": [{"name": "c1", "scale": 0.5}, {"name": h}]}) for h in HOT]
 BAD: list[tuple[str, Any, dict, int]] = [  # path, body (bytes: sent as is), headers, expected status
     ("/v1/completions", {"model": "nope", "prompt": "x"}, {}, 404),
-    ("/v1/completions", {"model": "c1", "prompt": "x", "n": 2}, {}, 400),
+    ("/v1/completions", {"model": "c1", "prompt": "x", "n": 17}, {}, 400),
     ("/v1/completions", {"prompt": "the " * 2100}, {}, 400),  # longer than the context
     ("/v1/completions", {"prompt": "x", "max_tokens": 10**9}, {}, 400),
     ("/v1/completions", {"model": "c2"}, {}, 400),

@@ -336,3 +336,26 @@ def test_an_adapter_whose_output_overflows_the_kv_cache_fails_its_request_alone(
             assert streams[1].consume().tokens == solo
     finally:
         eng.close()
+
+
+def test_penalties_count_each_generated_token_once(engine):
+    """frequency/presence penalties as OpenAI defines them: logit - f·count - p·[count > 0] over the
+    tokens generated so far. Checked step by step against the raw logits (steps whose top two are within
+    rounding of each other are skipped), so a token counted twice in the sampler's history shows."""
+    f, p = 0.7, 0.3
+    toks = engine.tokenize(PROMPT)
+    out = engine.generate(toks, max_tokens=24, temperature=0.0, frequency_penalty=f, presence_penalty=p,
+                          ignore_eos=True).tokens
+    rows = engine.logits(toks + out[:-1])[len(toks) - 1:]
+    checked = 0
+    counts: dict[int, int] = {}
+    for i, tok in enumerate(out):
+        z = rows[i].astype(np.float64)
+        for t, c in counts.items():
+            z[t] -= f * c + p
+        top2 = np.sort(z)[-2:]
+        if top2[1] - top2[0] > 1e-3:
+            assert tok == int(np.argmax(z)), i
+            checked += 1
+        counts[tok] = counts.get(tok, 0) + 1
+    assert checked >= 16 and max(counts.values()) >= 2  # the penalties had repeats to act on

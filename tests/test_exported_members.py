@@ -22,7 +22,8 @@ ERRORS = {
     "AdapterError", "AdapterNotFoundError", "BackendError", "ChecksumError", "ContextLengthError",
     "ControlVectorError", "ConversionError", "DownloadCancelled", "DownloadError", "DownloadRefused",
     "EngineClosedError", "FactorError", "GGUFFormatError", "LoramuxError", "ModelError", "ParameterError",
-    "ProbeMismatch", "RequestFailed", "ScaleError", "SlotsBusyError", "SourceError", "TrainingError",
+    "ProbeMismatch", "RequestFailed", "RpcError", "ScaleError", "SlotsBusyError", "SourceError", "TrainingError",
+    "ChatTemplateError", "GrammarError",
 }
 
 

@@ -302,7 +302,7 @@ def test_input_limits_are_400s_naming_the_parameter(tiny_model, adir):
         ("chat/completions", {**chat, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ("chat/completions", {**chat, "functions": [{"name": "f"}]}, "tools"),
         ("chat/completions", {**chat, "tool_choice": "auto"}, "tools"),
-        ("completions", {**comp, "n": 2}, "n"),
+        ("completions", {**comp, "n": 17}, "n"),
         ("completions", {**comp, "logit_bias": {"50": 100}}, "logit_bias"),
         ("completions", {**comp, "lora": [{"name": "a"}] * (S.MAX_LORA_REFS + 1)}, "lora"),
         ("completions", {**comp, "top_k": 2**40}, "top_k"),

@@ -208,11 +208,12 @@ def test_errors_are_openai_shaped(shared):
         ({**base, "lora": [{"name": "zzz"}]}, 404, "adapter_not_found"),
         ({**base, "lora": [{"id": 99}]}, 404, "adapter_not_found"),
         ({**base, "lora": [{"name": "a", "id": 0}]}, 400, None),
-        ({**base, "n": 2}, 400, "unsupported_parameter"),
-        ({**base, "logprobs": 2}, 400, "unsupported_parameter"),
+        ({**base, "n": 17}, 400, None),
+        ({**base, "logprobs": 21}, 400, None),
+        ({**base, "n": 2, "best_of": 1}, 400, "unsupported_parameter"),
+        ({**base, "prompt": ["x"] * 65}, 400, "unsupported_parameter"),
         ({**base, "temperature": -1}, 400, None),
         ({**base, "max_tokens": "many"}, 400, None),
-        ({**base, "prompt": ["one", "two"]}, 400, None),
         ({**base, "prompt": [1, 99999]}, 400, None),
         ({"prompt": "x", "max_tokens": 300}, 400, "context_length_exceeded"),
         ({**base, "prompt": "the cat " * 200}, 400, "context_length_exceeded"),
@@ -231,7 +232,7 @@ def test_errors_are_openai_shaped(shared):
     assert r.status_code == 400 and errbody(r)["param"] == "messages"
     r = httpx.post(srv.url + "/v1/chat/completions",
                    json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tools": [{"x": 1}]})
-    assert r.status_code == 400 and errbody(r)["param"] == "tools"
+    assert r.status_code == 400 and errbody(r)["param"].startswith("tools"), r.text  # a malformed tool
     big = {"model": "tiny", "prompt": "x" * (2 << 20), "max_tokens": 1}
     r = httpx.post(url, json=big)
     assert r.status_code == 413 and errbody(r)["code"] == "request_too_large"

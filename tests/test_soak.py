@@ -127,7 +127,7 @@ class Soak:
 
     async def bad(self, c: httpx.AsyncClient) -> None:
         r = self.rng
-        cases = [({"model": "nope", "prompt": "x"}, 404), ({"model": "tiny", "prompt": "x", "n": 3}, 400),
+        cases = [({"model": "nope", "prompt": "x"}, 404), ({"model": "tiny", "prompt": "x", "n": 99}, 400),
                  ({"model": "tiny", "prompt": "the " * 300}, 400), ({"model": "tiny"}, 400),
                  ({"model": "tiny", "prompt": "x", "lora": [{"id": 999}]}, 404),
                  ({"model": "tiny", "prompt": "x", "temperature": "hot"}, 400), (b"{oops", 400)]

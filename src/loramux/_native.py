@@ -57,6 +57,7 @@ def _log_cb(level: int, text: bytes, _user: Any) -> None:
     try:
         lvl = _last_level[0] if level == 5 else _LEVELS.get(level, logging.DEBUG)
         _last_level[0] = lvl
+        _grammar_log_hook(level, text)
         msg = text.decode("utf-8", errors="replace").rstrip("\n")
         if msg and log.isEnabledFor(lvl):
             log.log(lvl, msg)
@@ -325,9 +326,14 @@ class ModelHandle(_Handle):
 
     @classmethod
     def load(cls, path: str, *, n_gpu_layers: int = 0, use_mmap: bool = True, use_mlock: bool = False,
-             vocab_only: bool = False, repack: bool = True) -> ModelHandle:
+             vocab_only: bool = False, repack: bool = True, devices: Sequence[int] = ()) -> ModelHandle:
         p = C.llama_model_default_params()
         p.n_gpu_layers = n_gpu_layers
+        # devices: ggml_backend_dev_t's to offload to (RPC workers, from rpc_devices), NULL-terminated;
+        # llama.cpp copies the list during the load
+        dev_list = (ctypes.c_void_p * (len(devices) + 1))(*devices, None) if devices else None
+        if dev_list is not None:
+            p.devices = ctypes.addressof(dev_list)
         # Repacked CPU weights (extra buffer types) compute a token differently depending on how many
         # tokens share the matmul; deterministic serving turns them off at load time.
         p.use_extra_bufts = repack
@@ -726,3 +732,315 @@ def _stops_trampoline(stops: MatmulStops) -> Callable[[int, bool, Any], bool]:
             log.exception("eval callback failed")
         return not ask  # after a node: go on; a failed ask: do not stop there
     return trampoline
+
+
+# --------------------------------------------------------------------------------------------
+# llama.cpp's RPC backend (ggml-rpc): workers that hold part of a base model
+# --------------------------------------------------------------------------------------------
+# Only a build with -DGGML_RPC=on has it; everything here is looked up through ggml's backend registry
+# (ggml_backend_reg_by_name("RPC") + get_proc_address), so it works whether ggml-rpc is linked into
+# libggml or loaded as a backend module, and a build without it only makes rpc_supported() False.
+#
+# ggml-rpc aborts the process (GGML_ABORT) when a worker cannot be reached or dies mid-call. The
+# abort callback below turns the RPC ones into a Python event instead: it tells the listeners and then
+# parks the calling thread for good, so the process lives on (its RPC connection is gone for the rest of
+# the process; see engine/rpc.py for how the server recovers). Any other abort still aborts.
+
+RPC_HELLO = 14               # RPC_CMD_HELLO, fixed across protocol versions (static_assert in ggml-rpc.cpp)
+RPC_CONN_CAPS = 24           # RPC_CONN_CAPS_SIZE (ggml-rpc/transport.h) of this build's protocol
+RPC_PROTO_MAJOR = 7          # RPC_PROTO_MAJOR_VERSION of ggml-rpc.h in the pinned llama.cpp
+_RPC_ABORT_MARKS = ("RPC", "Failed to connect to ")
+
+
+def _load_ggml_reg() -> ctypes.CDLL | None:
+    for name in ("libggml.so.0", "libggml.so", "libggml.dylib"):
+        try:
+            return ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_GLOBAL)
+        except OSError:
+            continue
+    return None
+
+
+_ggml_reg = _load_ggml_reg()
+if _ggml_reg is not None:
+    _ggml_reg.ggml_backend_reg_by_name.argtypes = [ctypes.c_char_p]
+    _ggml_reg.ggml_backend_reg_by_name.restype = ctypes.c_void_p
+    _ggml_reg.ggml_backend_reg_get_proc_address.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+    _ggml_reg.ggml_backend_reg_get_proc_address.restype = ctypes.c_void_p
+    _ggml_reg.ggml_backend_reg_dev_count.argtypes = [ctypes.c_void_p]
+    _ggml_reg.ggml_backend_reg_dev_count.restype = ctypes.c_size_t
+    _ggml_reg.ggml_backend_reg_dev_get.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    _ggml_reg.ggml_backend_reg_dev_get.restype = ctypes.c_void_p
+    _ggml_reg.ggml_backend_dev_by_type.argtypes = [ctypes.c_int]
+    _ggml_reg.ggml_backend_dev_by_type.restype = ctypes.c_void_p
+    _ggml_reg.ggml_backend_dev_name.argtypes = [ctypes.c_void_p]
+    _ggml_reg.ggml_backend_dev_name.restype = ctypes.c_char_p
+    _ggml_reg.ggml_backend_dev_count.argtypes = []
+    _ggml_reg.ggml_backend_dev_count.restype = ctypes.c_size_t
+    _ggml_reg.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
+    _ggml_reg.ggml_backend_dev_get.restype = ctypes.c_void_p
+    _ggml_reg.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
+    _ggml_reg.ggml_backend_dev_type.restype = ctypes.c_int
+
+_RpcAddServer = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_char_p)
+_RpcStartServer = ctypes.CFUNCTYPE(None, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_size_t,
+                                   ctypes.POINTER(ctypes.c_void_p))
+_AbortCallback = ctypes.CFUNCTYPE(None, ctypes.c_char_p)
+_ggml.ggml_set_abort_callback.argtypes = [_AbortCallback]
+_ggml.ggml_set_abort_callback.restype = ctypes.c_void_p
+_rpc_lock = threading.Lock()
+_rpc_listeners: list[Callable[[str], None]] = []
+_rpc_connected: set[str] = set()   # endpoints this process holds a connection to (one per endpoint)
+_rpc_lost: list[str] = []          # abort messages seen; non-empty: this process's RPC state is broken
+
+
+def _rpc_reg() -> int:
+    reg = _ggml_reg.ggml_backend_reg_by_name(b"RPC") if _ggml_reg is not None else None
+    return int(reg or 0)
+
+
+def rpc_supported() -> bool:
+    """True when this llama.cpp was built with its RPC backend (-DGGML_RPC=on)."""
+    return _rpc_reg() != 0
+
+
+def _rpc_proc(name: str, kind: Any) -> Any:
+    reg = _rpc_reg()
+    addr = _ggml_reg.ggml_backend_reg_get_proc_address(reg, name.encode()) if reg and _ggml_reg else None
+    if not addr:
+        raise BackendError(name, None, "this llama.cpp has no RPC backend",
+                           hint='reinstall the binding with RPC: CMAKE_ARGS="-DGGML_RPC=on" pip install '
+                                f'--force-reinstall --no-cache-dir llama-cpp-python=={PINNED_VERSION}')
+    return kind(addr)
+
+
+@_AbortCallback
+def _abort_cb(message: bytes | None) -> None:
+    # Runs on the thread that hit GGML_ABORT, just before abort(). Never raise into C.
+    text = (message or b"").decode("utf-8", errors="replace")
+    if not any(mark in text for mark in _RPC_ABORT_MARKS):
+        return  # not ours: abort as ggml always did
+    try:
+        with _rpc_lock:
+            _rpc_lost.append(text)
+            listeners = list(_rpc_listeners)
+        log.error("RPC worker lost: %s", text)
+        for fn in listeners:
+            try:
+                fn(text)
+            except Exception:  # noqa: BLE001
+                log.exception("RPC-loss listener failed")
+    finally:
+        # Parking (not returning) is what keeps abort() from running. The thread holds no Python
+        # locks while it waits; its llama.cpp call never returns.
+        threading.Event().wait()
+
+
+def rpc_on_lost(fn: Callable[[str], None]) -> None:
+    """Call `fn(message)` (on a llama.cpp thread, once per loss) when an RPC worker is lost.
+
+    From the first call on, ggml's aborts for a lost worker park the failing thread instead of ending
+    the process; the process must not use RPC again (rpc_broken() is then True).
+    """
+    with _rpc_lock:
+        _rpc_listeners.append(fn)
+        first = len(_rpc_listeners) == 1
+    if first:
+        _ggml.ggml_set_abort_callback(_abort_cb)
+
+
+def rpc_broken() -> str | None:
+    """The first RPC loss this process saw (ggml's message), or None."""
+    with _rpc_lock:
+        return _rpc_lost[0] if _rpc_lost else None
+
+
+def rpc_connected(endpoint: str) -> bool:
+    """True when this process already holds ggml-rpc's connection to `endpoint`."""
+    with _rpc_lock:
+        return endpoint in _rpc_connected
+
+
+def rpc_devices(endpoint: str) -> list[int]:
+    """Connect to the worker at `endpoint` ("host:port") and return its devices (ggml_backend_dev_t).
+
+    Connects once per endpoint and process (ggml-rpc keeps the connection). Probe the worker first
+    (engine/rpc.py does): ggml aborts, or with rpc_on_lost parks, when it cannot connect.
+    """
+    add_server = _rpc_proc("ggml_backend_rpc_add_server", _RpcAddServer)
+    reg = add_server(endpoint.encode())
+    if not reg:
+        raise BackendError("ggml_backend_rpc_add_server", None, f"the worker at {endpoint} has no devices")
+    with _rpc_lock:
+        _rpc_connected.add(endpoint)
+    n = _ggml_reg.ggml_backend_reg_dev_count(reg)
+    return [int(_ggml_reg.ggml_backend_reg_dev_get(reg, i)) for i in range(n)]
+
+
+def rpc_worker_devices() -> list[tuple[int, str]]:
+    """The devices a worker serves, as llama.cpp's rpc-server picks them: the GPUs (dedicated or
+    integrated) of this build, else the CPU. (pointer, name) pairs."""
+    devs = [_ggml_reg.ggml_backend_dev_get(i) for i in range(_ggml_reg.ggml_backend_dev_count())] if _ggml_reg else []
+    gpus = [d for d in devs if _ggml_reg.ggml_backend_dev_type(d) in (1, 2)]  # GPU, IGPU
+    chosen = gpus or [d for d in devs if _ggml_reg.ggml_backend_dev_type(d) == 0][:1]  # CPU
+    return [(int(d), _ggml_reg.ggml_backend_dev_name(d).decode("utf-8", "replace")) for d in chosen]
+
+
+def rpc_serve(endpoint: str, *, n_threads: int, cache_dir: str | None = None) -> None:
+    """Run llama.cpp's RPC server on `endpoint` with rpc_worker_devices(). Blocks for good.
+
+    Returns only if the server could not start (bad endpoint, port in use: ggml prints why).
+    """
+    start = _rpc_proc("ggml_backend_rpc_start_server", _RpcStartServer)
+    chosen = rpc_worker_devices()
+    if not chosen:
+        raise BackendError("ggml_backend_dev_get", None, "this llama.cpp has no device to serve")
+    devices = (ctypes.c_void_p * len(chosen))(*(d for d, _ in chosen))
+    start(endpoint.encode(), os.fsencode(cache_dir) if cache_dir else None, n_threads, len(chosen), devices)
+
+
+# --------------------------------------------------------------------------------------------
+# Scoring and n > 1: sharing a prompt's KV between sequences
+# --------------------------------------------------------------------------------------------
+
+def memory_seq_cp(ctx: ContextHandle, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+    """Make sequence `dst` share the KV cells of `src` at positions [p0, p1) (no data is copied in a
+    unified cache: the cells gain `dst`'s id). Only for a unified KV cache: across per-sequence streams
+    llama.cpp supports whole-stream copies only."""
+    C.llama_memory_seq_cp(C.llama_get_memory(ctx.ptr), src, dst, p0, p1)
+
+
+def logits_view(ctx: ContextHandle, i: int) -> np.ndarray:
+    """The logits of output row `i` of the last batch, in place (no copy): valid until the next decode."""
+    ptr = C.llama_get_logits_ith(ctx.ptr, i)
+    if not ptr:
+        raise BackendError("llama_get_logits_ith", None, f"no logits for row {i}")
+    return np.ctypeslib.as_array(ptr, shape=(ctx.n_vocab,))
+
+
+# --------------------------------------------------------------------------------------------
+# Grammar-constrained sampling (structured output, tool calls)
+# --------------------------------------------------------------------------------------------
+
+GREEDY_SCAN = 64  # greedy: allowed-token checks before a full grammar pass over the vocabulary
+_TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)], align=True)
+_grammar_log = threading.local()  # llama.cpp's parse messages, collected on the creating thread
+
+
+def _grammar_log_hook(level: int, text: bytes) -> None:
+    lines = getattr(_grammar_log, "lines", None)
+    if lines is not None and level in (3, 4, 5):
+        lines.append(text.decode("utf-8", errors="replace").rstrip("\n"))
+
+
+class GrammarHandle(_Handle):
+    """One request's GBNF grammar sampler (`llama_sampler_init_grammar`), used the lazy way llama-server's
+    common sampler uses it: the unconstrained choice is checked against the grammar first (one candidate),
+    and only a rejected choice pays for a pass of the grammar over the whole vocabulary."""
+
+    _free = staticmethod(C.llama_sampler_free)
+    #: False: mask the whole vocabulary for every token (the reference the lazy checks must equal)
+    lazy = True
+
+    @classmethod
+    def create(cls, model: ModelHandle, gbnf: str, root: str = "root") -> GrammarHandle:
+        """Parse `gbnf`; a grammar llama.cpp refuses raises BackendError with llama.cpp's own messages."""
+        _grammar_log.lines = []
+        try:
+            ptr = C.llama_sampler_init_grammar(model.vocab, gbnf.encode("utf-8"), root.encode("utf-8"))
+            lines = list(_grammar_log.lines)
+        finally:
+            _grammar_log.lines = None
+        if not ptr:
+            raise BackendError("llama_sampler_init_grammar", None,
+                               " ".join(" ".join(lines).split()) or "the grammar does not parse")
+        return cls(ptr, model.n_vocab)
+
+    def __init__(self, ptr: Any, n_vocab: int) -> None:
+        super().__init__(ptr)
+        self.n_vocab = n_vocab
+        self._one = np.zeros(1, dtype=_TOKEN_DATA)
+        self._all: np.ndarray | None = None  # the whole-vocabulary candidates, allocated on first rejection
+
+    def _apply(self, smpl: Any, data: np.ndarray) -> int:
+        arr = C.llama_token_data_array(data.ctypes.data_as(ctypes.POINTER(C.llama_token_data)), len(data), -1, False)
+        C.llama_sampler_apply(smpl, ctypes.byref(arr))
+        return int(arr.selected)
+
+    def allows(self, token: int) -> bool:
+        """Whether the grammar, in its current state, accepts `token` next (a one-candidate check)."""
+        one = self._one
+        one["id"], one["logit"], one["p"] = token, 0.0, 0.0
+        self._apply(self.ptr, one)
+        return bool(np.isfinite(one["logit"][0]))
+
+    def _candidates(self, ctx: ContextHandle, idx: int) -> np.ndarray:
+        ptr = C.llama_get_logits_ith(ctx.ptr, idx)
+        if not ptr:
+            raise BackendError("llama_get_logits_ith", None, f"no logits for row {idx}")
+        if self._all is None:
+            self._all = np.zeros(self.n_vocab, dtype=_TOKEN_DATA)
+        a = self._all
+        a["id"] = np.arange(self.n_vocab, dtype=np.int32)
+        a["logit"] = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+        a["p"] = 0.0
+        return a
+
+    def pick(self, ctx: ContextHandle, idx: int, chain: SamplerHandle | None, ban: np.ndarray | None = None) -> int:
+        """The next token under the grammar: greedy (`chain` None) or through the chain, without accepting it.
+
+        `ban` (a boolean mask over the vocabulary) removes tokens on top of the grammar."""
+        if chain is None:
+            tok = ctx.argmax(idx)
+        else:
+            cand = self._candidates(ctx, idx)
+            tok = int(cand["id"][self._apply(chain.ptr, cand)])
+        if self.lazy and (ban is None or not ban[tok]) and self.allows(tok):
+            return tok
+        if chain is None and self.lazy:  # greedy: the best allowed token is nearly always among the best few
+            best = self._best_allowed(ctx, idx, ban, GREEDY_SCAN)
+            if best is not None:
+                return best
+        cand = self._candidates(ctx, idx)
+        self._apply(self.ptr, cand)  # rejected: mask the whole vocabulary (in id order), then choose again
+        if ban is not None:
+            cand["logit"][ban] = -np.inf
+        if not np.isfinite(cand["logit"]).any():
+            raise BackendError("llama_sampler_apply", None, "the grammar allows no token here (a dead end)")
+        if chain is None:
+            return int(cand["logit"].argmax())
+        return int(cand["id"][self._apply(chain.ptr, cand)])
+
+    def _best_allowed(self, ctx: ContextHandle, idx: int, ban: np.ndarray | None, k: int) -> int | None:
+        """The highest-logit token the grammar allows among the `k` best (ties: the lowest id, as argmax over
+        the masked vocabulary would pick), or None to fall back to the full pass."""
+        ptr = C.llama_get_logits_ith(ctx.ptr, idx)
+        if not ptr:
+            raise BackendError("llama_get_logits_ith", None, f"no logits for row {idx}")
+        row = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+        top = np.sort(np.argpartition(row, -k)[-k:])
+        kth = row[top].min()
+        for t in top[np.argsort(-row[top], kind="stable")]:
+            if row[t] == kth and (row > kth).sum() + (row == kth).sum() > k:
+                return None  # ties at the edge of the window: a token outside it could rank the same
+            if (ban is None or not ban[t]) and self.allows(int(t)):
+                return int(t)
+        return None
+
+    def accept(self, token: int) -> None:
+        """Advance the grammar by a token it allows (never pass one `allows` refused: llama.cpp aborts)."""
+        C.llama_sampler_accept(self.ptr, token)
+
+
+def sampler_accept(chain: SamplerHandle, token: int) -> None:
+    """Record a token chosen outside `SamplerHandle.sample` (penalty history)."""
+    C.llama_sampler_accept(chain.ptr, token)
+
+
+# llama-cpp-python's maintained port of llama.cpp's JSON-schema → GBNF converter (pure Python, shipped with
+# the binding), re-exported so that the engine reaches the binding through this module only.
+from llama_cpp.llama_grammar import JSON_GBNF as JSON_GBNF  # noqa: E402
+from llama_cpp.llama_grammar import RESERVED_NAMES as _GRAMMAR_RESERVED  # noqa: E402
+from llama_cpp.llama_grammar import SchemaConverter as SchemaConverter  # noqa: E402
+
+GRAMMAR_RESERVED_NAMES = frozenset(_GRAMMAR_RESERVED)  # rule names the converter keeps for itself

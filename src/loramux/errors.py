@@ -24,8 +24,11 @@ Every public error is defined here. The tree (``code`` is what the server puts i
     ├── ControlVectorError          invalid_control_vector
     ├── ContextLengthError          context_length_exceeded (also a ValueError)
     ├── ParameterError              invalid_parameter    (also a ValueError)
+    │   ├── GrammarError            invalid_grammar      a schema, regex, choice or GBNF cannot constrain output
+    │   └── ChatTemplateError       invalid_chat_template the chat template refused or failed on the messages
     ├── EngineClosedError           engine_closed        (also a RuntimeError)
     ├── RequestFailed               request_failed       one request failed; the others go on
+    ├── RpcError                    rpc_unavailable      an RPC worker is unreachable or was lost
     ├── TrainingError               training_error
     └── ProbeMismatch               probe_mismatch
 """
@@ -241,6 +244,25 @@ class ParameterError(LoramuxError, ValueError):
         super().__init__(f"{parameter}: {message}", hint=hint)
 
 
+class GrammarError(ParameterError):
+    """A constraint (JSON schema, regex, choice list, GBNF grammar, tool schema) cannot be enforced.
+
+    `parameter` names the request field it came from (`response_format`, `guided_regex`, `grammar`, ...).
+    """
+
+    code = "invalid_grammar"
+
+
+class ChatTemplateError(ParameterError):
+    """The chat template raised (`raise_exception`) or failed on these messages; `template` names it."""
+
+    code = "invalid_chat_template"
+
+    def __init__(self, template: str, message: str, *, parameter: str = "messages", hint: str | None = None):
+        self.template = template
+        super().__init__(parameter, f"the chat template ({template}) {message}", hint=hint)
+
+
 class EngineClosedError(LoramuxError, RuntimeError):
     """The engine was closed; no more work is accepted."""
 
@@ -265,6 +287,23 @@ class RequestFailed(LoramuxError):
                               "check or reload that adapter")
 
 
+class RpcError(LoramuxError):
+    """llama.cpp's RPC backend cannot be used: this build lacks it, a worker is unreachable, or was lost.
+
+    `endpoint` is the worker ("host:port"; None when the build lacks RPC), `reason` what happened:
+    "unsupported" (no -DGGML_RPC=on), "invalid" (not host:port), "unreachable", "version" (another
+    protocol) or "lost" (the connection broke while serving; this process cannot use RPC again).
+    """
+
+    code = "rpc_unavailable"
+
+    def __init__(self, endpoint: str | None, reason: str, message: str, *, hint: str | None = None):
+        self.endpoint = endpoint
+        self.reason = reason
+        where = f"RPC worker {endpoint}" if endpoint else "RPC"
+        super().__init__(f"{where}: {message}", hint=hint)
+
+
 class TrainingError(LoramuxError):
     """Zeroth-order training stopped (bad data, non-finite loss); factors were restored."""
 
@@ -285,6 +324,7 @@ class ProbeMismatch(LoramuxError):
 __all__ = [
     "AdapterError", "AdapterNotFoundError", "BackendError", "ChecksumError", "ContextLengthError",
     "ControlVectorError", "ConversionError", "DownloadCancelled", "DownloadError", "DownloadRefused",
-    "EngineClosedError", "FactorError", "GGUFFormatError", "LoramuxError", "ModelError", "ParameterError",
-    "ProbeMismatch", "RequestFailed", "ScaleError", "SlotsBusyError", "SourceError", "TrainingError",
+    "ChatTemplateError", "EngineClosedError", "FactorError", "GGUFFormatError", "GrammarError", "LoramuxError",
+    "ModelError", "ParameterError", "ProbeMismatch", "RequestFailed", "RpcError", "ScaleError", "SlotsBusyError",
+    "SourceError", "TrainingError",
 ]

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from ..errors import LoramuxError
-from . import bench, convert, cvec, drift, inspect, probe, pull, run, serve, train
+from . import bench, convert, cvec, drift, eval, inspect, probe, pull, rpc, run, serve, train
 
 EPILOG = """\
 examples:
@@ -31,7 +31,7 @@ Adapters (SRC) may be a path, an https:// URL or hf://owner/repo/file.gguf[@revi
 
 
 # The command groups, in the order `loramux --help` lists them.
-COMMAND_GROUPS = (run, inspect, pull, convert, serve, probe, drift, train, cvec, bench)
+COMMAND_GROUPS = (run, inspect, pull, convert, serve, rpc, eval, probe, drift, train, cvec, bench)
 
 
 def build_parser() -> argparse.ArgumentParser:

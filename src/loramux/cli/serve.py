@@ -20,6 +20,7 @@ examples:
       --max-loaded 16 --api-key-file key.txt --admin-api-key-file admin.txt \\
       --host 0.0.0.0 --allowed-hosts llm.internal
   loramux serve --config deploy.toml          # every setting in one file; options override it
+  loramux serve big.gguf --rpc 10.0.0.2:50052,10.0.0.3:50052   # layers on `loramux rpc-worker`s
 
 then, with any OpenAI client (base_url http://127.0.0.1:8080/v1):
   model="<base>"      the base model (plus the global adapter set of POST /lora-adapters)
@@ -82,7 +83,13 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--n-ctx", type=int, default=None, help="context tokens per request (default 4096)")
     p.add_argument("--n-batch", type=int, default=None, help="tokens per decode call (default 512)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all available)")
-    p.add_argument("--gpu-layers", type=int, default=None, help="layers to offload to a GPU build (default 0)")
+    p.add_argument("--gpu-layers", type=int, default=None,
+                   help="layers to offload to a GPU build or the --rpc workers (default 0; with --rpc: all)")
+    p.add_argument("--rpc", default=None, metavar="H1:P1,H2:P2",
+                   help="split the base model's layers over llama.cpp RPC workers (`loramux rpc-worker` on "
+                        "each; needs llama.cpp built with -DGGML_RPC=on; docs/distributed.md). If a worker "
+                        "is lost, requests get 503 rpc_unavailable and the server restarts itself in place "
+                        "once every worker answers again")
     p.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="name of the base model in the API (default: the model file's name)")
     p.add_argument("--control-vector", action="append", default=[], metavar="NAME=FILE",
@@ -153,6 +160,7 @@ EXAMPLE_ADAPTER = Path(__file__).parent / "data" / "pirate.gguf"
 
 def settings_from_args(args: argparse.Namespace) -> Any:
     """ServerSettings from --config (if any) with the command-line options on top."""
+    from ..engine.options import parse_endpoints
     from ..engine.runtime import LoraSpec, adapter_name
     from ..server.config import ControlEntry, LoraEntry, ServerSettings
 
@@ -170,6 +178,7 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         slots=args.slots, slot_rank=args.slot_rank, deterministic=args.deterministic,
         adapter_cache_bytes=args.adapter_cache_bytes,
         n_batch=args.n_batch, threads=args.threads, gpu_layers=args.gpu_layers,
+        rpc=parse_endpoints(args.rpc, "--rpc") if args.rpc else None,
         api_key=_key(args, "api_key"), admin_api_key=_key(args, "admin_api_key"),
         allowed_hosts=_hosts(args.allowed_hosts), max_queue=args.max_queue, max_connections=args.max_connections,
         read_timeout_s=args.read_timeout, keep_alive_s=args.keep_alive_timeout, write_timeout_s=args.write_timeout,
@@ -201,6 +210,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"loramux: loading {settings.model or 'the embedded Gemma 3 270M'} "
           f"with {len(settings.loras)} adapter(s)…", file=sys.stderr)
     engine = settings.build_engine()
+    if settings.rpc:
+        _restart_when_workers_return(settings.rpc)
     try:
         app = create_app(engine, settings, own_engine=True)
     except BaseException:
@@ -214,6 +225,34 @@ def cmd_serve(args: argparse.Namespace) -> int:
     uvicorn.Server(uvicorn_config(app, settings, host=settings.host, port=settings.port,
                                   log_level="info" if level <= logging.INFO else "warning")).run()
     return 0
+
+
+def _restart_when_workers_return(endpoints: tuple[str, ...]) -> None:
+    """On a lost RPC worker: answer 503 meanwhile (the engine does), then re-exec this same command once
+    every worker answers again. A process whose ggml-rpc connection broke cannot reconnect (engine/rpc.py),
+    so recovery is a fresh process: same PID, same command line, the start adapters loaded again."""
+    import threading
+
+    from ..engine import rpc
+
+    started = threading.Event()
+
+    def restart() -> None:
+        log.error("an RPC worker was lost; serving 503 until all of %s answer, then restarting",
+                  ", ".join(endpoints))
+        rpc.release_connections(endpoints)  # the surviving workers serve one client: let ours go
+        rpc.wait_for_workers(endpoints)
+        print("loramux: every RPC worker answers again; restarting the server", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os.closerange(3, os.sysconf("SC_OPEN_MAX") if hasattr(os, "sysconf") else 1024)  # no inherited sockets
+        os.execv(sys.executable, sys.orig_argv)
+
+    def on_lost(_message: str) -> None:
+        if not started.is_set():
+            started.set()
+            threading.Thread(target=restart, name="loramux-rpc-restart", daemon=True).start()
+
+    rpc.on_lost(on_lost)
 
 
 __all__ = ["add_parsers", "cmd_serve", "settings_from_args"]

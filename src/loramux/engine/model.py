@@ -48,7 +48,7 @@ class Model:
     """A base GGUF model loaded once; adapters and contexts hang off it."""
 
     def __init__(self, path: str | os.PathLike[str], *, n_gpu_layers: int = 0, use_mmap: bool = True,
-                 use_mlock: bool = False, repack: bool = True) -> None:
+                 use_mlock: bool = False, repack: bool = True, devices: Sequence[int] = ()) -> None:
         p = Path(path).expanduser()
         if not p.is_file():
             raise ModelError(str(p), "file not found" if not p.exists() else "not a regular file",
@@ -63,7 +63,7 @@ class Model:
         self.path = p
         self.n_gpu_layers = n_gpu_layers
         self.handle = N.ModelHandle.load(str(p), n_gpu_layers=n_gpu_layers, use_mmap=use_mmap,
-                                         use_mlock=use_mlock, repack=repack)
+                                         use_mlock=use_mlock, repack=repack, devices=devices)
         self.n_embd = self.handle.n_embd
         self.n_layer = self.handle.n_layer
         self.n_vocab = self.handle.n_vocab

@@ -7,7 +7,7 @@ probes pass around. Importing this module does not load llama.cpp.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
@@ -28,7 +28,8 @@ class EngineOptions:
     use_mmap / use_mlock: how the weights are mapped. flash_attn / kv_unified / kv_type: llama.cpp's
     attention and KV-cache settings. slots / slot_rank: the slot bank (0 slots: none). adapter_cache_bytes:
     the bank's warm tier, prepared slot blocks in host RAM (0: none; see engine/residency.py). deterministic:
-    batch-invariant serving (see README, "Deterministic mode").
+    batch-invariant serving (see README, "Deterministic mode"). rpc: llama.cpp RPC workers
+    ("host:port", from `loramux rpc-worker`) that hold the base model's layers (see engine/rpc.py).
     """
 
     n_ctx: int = 4096
@@ -46,9 +47,14 @@ class EngineOptions:
     bank_node_access: str = "auto"
     deterministic: bool = False
     kv_type: str = "f16"
+    rpc: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         problems: list[tuple[str, str]] = []
+        try:  # a list or "h1:p1,h2:p2" becomes a tuple of checked endpoints (the dataclass stays hashable)
+            object.__setattr__(self, "rpc", parse_endpoints(self.rpc or ()))
+        except ParameterError as e:
+            problems.append(("rpc", e.message.split(": ", 1)[-1]))
         for name in ("n_ctx", "n_parallel", "n_batch", "slot_rank"):
             if getattr(self, name) < 1:
                 problems.append((name, f"must be ≥ 1 (got {getattr(self, name)})"))
@@ -101,4 +107,30 @@ def bank_size(n_parallel: int, ranks: Iterable[int] = ()) -> tuple[int, int]:
     return max(1, n_parallel), rank
 
 
-__all__ = ["BANK_NODE_ACCESS", "DEFAULT_ADAPTER_CACHE_BYTES", "EngineOptions", "KV_TYPES", "bank_size"]
+def parse_endpoint(text: str, option: str = "rpc") -> str:
+    """`text` as "host:port" (IPv6 hosts in brackets are refused: ggml-rpc splits at the first colon)."""
+    host, sep, port = text.strip().rpartition(":")
+    problem = None
+    if not sep or not host:
+        problem = f"expected HOST:PORT, got {text!r}"
+    elif ":" in host:
+        problem = f"{text!r}: ggml-rpc splits at the first ':', so IPv6 addresses cannot be used; give a name"
+    elif not port.isdigit() or not 1 <= int(port) <= 65535:
+        problem = f"{text!r}: the port must be a number in 1-65535"
+    if problem:
+        raise ParameterError(option, problem)
+    return f"{host}:{int(port)}"
+
+
+def parse_endpoints(values: str | Sequence[str], option: str = "rpc") -> tuple[str, ...]:
+    """Endpoints from a list or a comma-separated string; duplicates are refused."""
+    items = values.split(",") if isinstance(values, str) else list(values)
+    out = tuple(parse_endpoint(v, option) for v in items if v.strip())
+    dup = sorted({e for e in out if out.count(e) > 1})
+    if dup:
+        raise ParameterError(option, f"lists {dup[0]} twice (each worker holds its own part of the model)")
+    return out
+
+
+__all__ = ["BANK_NODE_ACCESS", "DEFAULT_ADAPTER_CACHE_BYTES", "EngineOptions", "KV_TYPES", "bank_size",
+           "parse_endpoint", "parse_endpoints"]

@@ -25,14 +25,18 @@ from .. import _native as N
 from .. import config
 from ..errors import AdapterError, ContextLengthError, EngineClosedError, ParameterError
 from ..sources import resolve
+from . import rpc
 from .adapters import CheckedAdapter, LoRAAdapter
 from .bank import SlotBank
+from .chat import ChatTemplate, special_texts, tokenize_chat, user_strings
 from .control import ControlSetting, ControlSource
+from .grammar import ActiveGrammar, Grammar
 from .model import Context, ContextOptions, Model, default_threads
 from .options import EngineOptions
 from .registry import AdapterSet, LoraArg, Registry, check_scale
-from .sampling import Completion, SamplingParams, fallback_template, render_chat
+from .sampling import Completion, SamplingParams
 from .scheduler import Phase, Request, Scheduler
+from .scoring import Scoring, TokenLogprob, score_many
 
 T = TypeVar("T")
 log = logging.getLogger("loramux")
@@ -120,6 +124,7 @@ class Engine:
         self._wake = threading.Event()
         self._busy = threading.Lock()  # held by the engine thread while it runs commands or a step
         self._closed = False
+        self.lost: Exception | None = None  # set when the RPC workers holding the model were lost
         self._thread = threading.Thread(target=self._loop, name="loramux-engine", daemon=True)
         self._thread.start()
 
@@ -134,7 +139,8 @@ class Engine:
         `loramux.sources.SourceOptions`). With `slots=K`, a slot bank of K adapters of rank ≤
         `slot_rank` lets requests on different adapters share every decode step (see bank.py). With
         `deterministic=True` a request's tokens do not depend on what else is batched with it
-        (batch-invariant kernels; see README). If any adapter fails, the whole load fails with that
+        (batch-invariant kernels; see README). With `rpc=["host:port", ...]` the base model's layers
+        live on llama.cpp RPC workers (engine/rpc.py; docs/distributed.md). If any adapter fails, the whole load fails with that
         adapter's error and nothing stays loaded.
         """
         engine_names = {f.name for f in fields(EngineOptions)}
@@ -145,13 +151,16 @@ class Engine:
             if opts.flash_attn or opts.kv_unified:
                 _check_deterministic(None, opts.flash_attn, opts.kv_unified)
             N.enable_batch_invariant_kernels()
-        m = Model(path, n_gpu_layers=opts.n_gpu_layers, use_mmap=opts.use_mmap, use_mlock=opts.use_mlock,
-                  repack=not opts.deterministic)
+        devices = rpc.connect(opts.rpc) if opts.rpc else []  # typed errors here, before llama.cpp connects
+        m = Model(path, n_gpu_layers=(opts.n_gpu_layers or -1) if opts.rpc else opts.n_gpu_layers,
+                  use_mmap=opts.use_mmap, use_mlock=opts.use_mlock, repack=not opts.deterministic, devices=devices)
         try:
             eng = cls(m, opts)
         except BaseException:
             m.close()
             raise
+        if opts.rpc:
+            rpc.on_lost(eng.fail_lost)
         try:
             for spec in loras:
                 spec = LoraSpec.parse(spec) if isinstance(spec, str) else spec
@@ -194,17 +203,28 @@ class Engine:
             else:
                 self._wake.wait(0.5)
                 self._wake.clear()
-        self._refuse_queued()
+        # commands queued after close() began are answered, never left hanging
+        self._drain_commands(EngineClosedError("the engine was closed"))
 
-    def _refuse_queued(self) -> None:
-        """Commands queued after close() began are answered, never left hanging (e.g. a prefetch's read)."""
+    def _drain_commands(self, error: Exception) -> None:
         while True:
             try:
                 item = self._commands.get_nowait()
             except queue.Empty:
                 break
             if item is not None:
-                item[1].set_exception(EngineClosedError("the engine was closed"))
+                item[1].set_exception(error)
+
+    def fail_lost(self, message: str) -> None:
+        """The RPC workers' connection broke (called by engine/rpc.py on a llama.cpp thread): fail every
+        request and command with a typed RpcError and refuse new ones. The engine thread is parked in
+        llama.cpp for good, so nothing can be freed: the process must be replaced (the server does it)."""
+        if self._closed and not self._thread.is_alive():
+            return  # closed before the loss: nothing of it is left to fail
+        self.lost = rpc.lost_error(message)
+        self._closed = True
+        self.scheduler.fail_all(self.lost)
+        self._drain_commands(self.lost)
 
     @property
     def closed(self) -> bool:
@@ -245,7 +265,7 @@ class Engine:
         if self._commands.empty() and self._busy.acquire(blocking=False):
             try:
                 if self._closed:
-                    raise EngineClosedError("the engine is closed")
+                    raise self.lost or EngineClosedError("the engine is closed")
                 return fn()
             finally:
                 self._busy.release()
@@ -258,7 +278,7 @@ class Engine:
         submit against an adapter's removal.
         """
         if self._closed:
-            raise EngineClosedError("the engine is closed")
+            raise self.lost or EngineClosedError("the engine is closed")
         fut: Future[T] = Future()
         self._commands.put((fn, fut))
         self._wake.set()
@@ -382,18 +402,37 @@ class Engine:
     def detokenize(self, tokens: Sequence[int]) -> str:
         return self.model.detokenize(tokens)
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
-        tmpl = self.model.chat_template or fallback_template(self.model.architecture)
-        h = self.model.handle
-        return render_chat(tmpl, messages, bos_token=self.model.token_text(h.bos) if h.bos >= 0 else "",
-                           eos_token=self.model.token_text(h.eos) if h.eos >= 0 else "",
-                           add_generation_prompt=add_generation_prompt)
+    def chat_template(self) -> ChatTemplate:
+        """The model's chat template (its GGUF's, or the family fallback; see chat.py)."""
+        return ChatTemplate.for_model(self.model)
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                            **options: Any) -> str:
+        """The prompt text for `messages`; `options`: continue_final_message, tools, kwargs (ChatTemplate.render)."""
+        bos, eos = special_texts(self.model)
+        return self.chat_template().render(messages, bos_token=bos, eos_token=eos,
+                                           add_generation_prompt=add_generation_prompt, **options)
+
+    def chat_tokens(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                    **options: Any) -> list[int]:
+        """The prompt tokens for `messages`: template markers as special tokens, message text never."""
+        text = self.apply_chat_template(messages, add_generation_prompt, **options)
+        user = user_strings([{k: v for k, v in m.items() if k != "role"} for m in messages],
+                            options.get("tools"), options.get("kwargs"))
+        return tokenize_chat(self.model, text, user)
 
     # ------------------------------------------------------------------ generation
     def submit(self, prompt: str | Sequence[int], *, loras: LoraArg = None, control: ControlArg = Inherit.ENGINE,
-               on_event: Callable[[str, Any], None] | None = None, **sampling: Any) -> Request:
-        """Queue a generation; events arrive on `request.events` (and `on_event`, on the engine thread)."""
+               on_event: Callable[[str, Any], None] | None = None, share: Request | None = None,
+               grammar: Grammar | ActiveGrammar | None = None, **sampling: Any) -> Request:
+        """Queue a generation; events arrive on `request.events` (and `on_event`, on the engine thread).
+
+        `share`: an earlier request on the same prompt and adapters whose prompt KV this one reuses (n > 1).
+        `grammar` constrains the output (see `loramux.engine.grammar`: JSON schemas, regexes, choices, GBNF);
+        a compiled `ActiveGrammar` is used by this request alone."""
         params = SamplingParams(**sampling).validate()
+        if isinstance(grammar, Grammar):
+            grammar = grammar.compile(self.model)
         tokens = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         if not tokens:
             raise ParameterError("prompt", "is empty")
@@ -403,10 +442,11 @@ class Engine:
             aset = self.registry.adapter_set(loras)
             cv = self.control if control is Inherit.ENGINE else control
             phases, alora = _phases(aset, cv, tokens)
-            req = Request(tokens, params, phases, alora, on_event=on_event)
+            req = Request(tokens, params, phases, alora, on_event=on_event, grammar=grammar,
+                          scoring=Scoring.wanted(params.prompt_logprobs, params.logprobs), share=share)
             for a, _ in aset.items:
                 a.version  # noqa: B018 - fingerprint taken now; later writes make a new key
-            if params.max_tokens == 0:
+            if params.max_tokens == 0 and params.prompt_logprobs is None:
                 req.emit("done", Completion("", [], "length", len(tokens), aset.as_dict(), alora))
             else:
                 self.scheduler.submit(req)
@@ -437,10 +477,28 @@ class Engine:
     def chat(self, messages: Sequence[Mapping[str, Any]], *, loras: LoraArg = None, stream: bool = False,
              **sampling: Any) -> Completion | TextStream:
         """One assistant turn, rendered with the model's chat template (sandboxed jinja2)."""
-        prompt = self.apply_chat_template(messages)
-        tokens = self.tokenize(prompt, add_bos=False)
+        tokens = self.chat_tokens(messages)
         s = self.stream(tokens, loras=loras, **sampling)
         return s if stream else s.consume()
+
+    # ------------------------------------------------------------------ scoring
+    def logprobs(self, prompt: str | Sequence[int], *, loras: LoraArg = None, top_logprobs: int = 0,
+                 max_tokens: int = 0, **sampling: Any) -> Completion:
+        """Score a prompt through the serving scheduler: `.prompt_logprobs` holds every prompt token's
+        log-probability (the first None) with its `top_logprobs` alternatives; with max_tokens > 0 it also
+        generates, and `.logprobs` holds the generated tokens' (see docs/scoring.md)."""
+        return self.generate(prompt, loras=loras, max_tokens=max_tokens, prompt_logprobs=top_logprobs,
+                             logprobs=top_logprobs if max_tokens else None, **sampling)
+
+    def score(self, prompts: Sequence[str | Sequence[int]], *,
+              loras: Mapping[str, float] | Sequence[LoraArg] | None = None,
+              top_logprobs: int = 0, control: ControlArg = Inherit.ENGINE) -> list[list[TokenLogprob]]:
+        """Per-token log-probabilities of several prompts at once, each under its own adapter set
+        (`loras`: a mapping for all of them, or a list with one set per prompt). They share decode steps: with a slot
+        bank, prompts on different adapters are scored in the same batch. Entry 0 of each is the first
+        token, whose logprob is None; entry i is log p(prompt[i] | prompt[:i]), the negated per-token NLL
+        of `Engine.loss`."""
+        return score_many(self, prompts, loras, top_logprobs, control)
 
     # ------------------------------------------------------------------ evaluation
     def _eval(self) -> Context:
@@ -507,8 +565,8 @@ class Engine:
 
     def close(self) -> None:
         """Stop the engine thread, fail queued requests, free adapters, contexts and the model. Idempotent."""
-        if self._closed and not self._thread.is_alive():
-            return
+        if (self._closed and not self._thread.is_alive()) or self.lost:
+            return  # lost: the engine thread and every native handle are stuck in llama.cpp
         if self._thread.is_alive():
             try:
                 self.call(lambda: self.scheduler.fail_all(EngineClosedError("the engine was closed")))
@@ -518,7 +576,7 @@ class Engine:
             self._wake.set()
             self._thread.join()
         self._closed = True
-        self._refuse_queued()
+        self._drain_commands(EngineClosedError("the engine was closed"))
         for c in (self.ctx, self._eval_ctx):
             if c is not None:
                 c.close()
@@ -546,6 +604,8 @@ class TextStream(Iterator[str]):
         if self.completion is not None:
             raise StopIteration
         kind, value = self.request.events.get()
+        while kind in ("logprobs", "prompt_logprobs"):  # scores also arrive in the Completion
+            kind, value = self.request.events.get()
         if kind == "text":
             return value
         if kind == "error":

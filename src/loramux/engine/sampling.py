@@ -1,15 +1,15 @@
-"""Generation pieces that need no engine: sampling settings, stop strings, text assembly, chat templates."""
+"""Generation pieces that need no engine: sampling settings, stop strings, text assembly (chat templates: chat.py)."""
 
 from __future__ import annotations
 
 import codecs
 import functools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from ..errors import ParameterError
+from .scoring import TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -28,9 +28,15 @@ class SamplingParams:
     seed: int = 0
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # top-N log-probabilities of each generated token (None: none; ≤ 20)
+    prompt_logprobs: int | None = None  # the same for every prompt token (scoring; see scoring.py)
 
     def validate(self) -> SamplingParams:
         problems = []
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 20):
+                problems.append((name, f"must be an integer in [0, 20] or None, got {v!r}"))
         if self.max_tokens < 0:
             problems.append(("max_tokens", "must be ≥ 0"))
         for name in ("temperature", "top_p", "min_p", "repeat_penalty"):
@@ -56,6 +62,10 @@ class Completion:
     prompt_tokens: int
     loras: dict[str, float] = field(default_factory=dict)
     alora: dict[str, bool] = field(default_factory=dict)  # aLoRA name -> invocation found in the prompt
+    # Per-token log-probabilities (engine/scoring.py TokenLogprob) when the request asked for them:
+    # `logprobs` of the generated tokens, `prompt_logprobs` of every prompt token (the first has None).
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     @property
     def completion_tokens(self) -> int:
@@ -196,46 +206,3 @@ class TextAssembler:
             self._parts.append(out)
             self.emitted += len(out)
         return out
-
-
-# ----------------------------------------------------------------------------------------------
-# Chat templates
-# ----------------------------------------------------------------------------------------------
-
-# Used when a GGUF carries no template (the embedded Gemma 3 270M file has none).
-FALLBACK_TEMPLATES = {
-    "gemma": (
-        "{{ bos_token }}{% for m in messages %}{% set role = 'model' if m['role'] == 'assistant' else 'user' %}"
-        "<start_of_turn>{{ role }}\n{% if m['role'] == 'system' %}{{ m['content'] | trim }}\n\n"
-        "{% else %}{{ m['content'] | trim }}<end_of_turn>\n{% endif %}{% endfor %}"
-        "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
-    ),
-    "chatml": (
-        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-    ),
-}
-
-
-def fallback_template(architecture: str) -> str:
-    return FALLBACK_TEMPLATES["gemma" if architecture.startswith("gemma") else "chatml"]
-
-
-def render_chat(template: str, messages: Sequence[Mapping[str, Any]], *, bos_token: str, eos_token: str,
-                add_generation_prompt: bool = True, **extra: Any) -> str:
-    """Render messages with a chat template in a sandboxed jinja2, as transformers does."""
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    for i, m in enumerate(messages):
-        if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
-            raise ParameterError(f"messages[{i}]", "each message needs 'role' and 'content'")
-
-    def raise_exception(msg: str) -> None:
-        raise ParameterError("messages", f"the chat template refused the messages: {msg}")
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = raise_exception
-    msgs = [dict(m) for m in messages]
-    # Templates such as Gemma's fold a system message into the first user turn; ours passes it through.
-    return env.from_string(template).render(messages=msgs, bos_token=bos_token, eos_token=eos_token,
-                                            add_generation_prompt=add_generation_prompt, **extra)

@@ -22,9 +22,11 @@ from typing import Any
 from .. import _native as N
 from ..errors import BackendError, LoramuxError, RequestFailed
 from .bank import SlotBank
+from .grammar import ActiveGrammar
 from .model import Context, Model
 from .registry import AdapterSet
 from .sampling import Completion, SamplingParams, TextAssembler
+from .scoring import SCORE_ROWS, Scoring
 
 log = logging.getLogger("loramux")
 
@@ -74,11 +76,14 @@ class Request:
     pending: int | None = None  # sampled token not yet decoded
     generated: list[int] = field(default_factory=list)
     sampler: N.SamplerHandle | None = None
+    grammar: ActiveGrammar | None = None  # constrained output (grammar.py); checked lazily per token
     slots: list[int] = field(default_factory=list)  # bank slots held while running
     text: TextAssembler | None = None
     first_token_at: float | None = None
     blocked_step: int | None = None  # decode step at which it first waited for bank slots
     blocked_at: float | None = None
+    scoring: Scoring | None = None  # logprobs wanted (prompt and/or generated tokens; see scoring.py)
+    share: Request | None = None  # n > 1: a sibling on the same prompt whose prompt KV this one shares
 
     def phase_at(self, pos: int) -> Phase:
         cur = self.phases[0]
@@ -188,6 +193,8 @@ class Scheduler:
         self.stats["batch_tokens"] += b.n
         self.stats["multi_seq_steps"] += int(b.n > 0 and bool((b.seq[: b.n] != b.seq[0]).any()))
         for r, out_idx in plan:
+            if r.scoring is not None and not self._score_or_fail(r):
+                continue
             if out_idx is not None:
                 self._sample_or_fail(r, out_idx)
 
@@ -204,7 +211,7 @@ class Scheduler:
         blocked: list[Request] = []
         while self.waiting and None in self.slots:
             r = self.waiting.pop(0)
-            if blocked and self._held_back(blocked[0], r):
+            if self._waits_for_sibling(r) or (blocked and self._held_back(blocked[0], r)):
                 blocked.append(r)
                 continue
             try:
@@ -222,7 +229,10 @@ class Scheduler:
                 self._slot_waits.append(time.monotonic() - r.blocked_at if r.blocked_at is not None else 0.0)
             free = [i for i, s in enumerate(self.slots) if s is None]
             seq, keep = max(((i, self._reusable(i, r)) for i in free), key=lambda x: x[1])
-            if keep == 0 or not self.ctx.handle.memory_seq_rm(seq, keep, -1):
+            shared = self._share(r, seq)
+            if shared:
+                keep = shared
+            elif keep == 0 or not self.ctx.handle.memory_seq_rm(seq, keep, -1):
                 self.ctx.handle.memory_seq_rm(seq, -1, -1)
                 keep = 0
             r.seq, r.n_past = seq, keep
@@ -270,9 +280,39 @@ class Scheduler:
                 "slot_wait_p99_s": waits[min(len(waits) - 1, int(0.99 * len(waits)))],
                 "slot_wait_max_s": waits[-1]}
 
+    def _shareable(self, r: Request) -> Request | None:
+        """The running sibling whose prompt KV `r` can share (unified KV, same prompt and adapters), or None."""
+        sib = r.share
+        if (sib is None or sib.seq is None or self.slots[sib.seq] is not sib or self.deterministic
+                or not self.ctx.opts.kv_unified or sib.prompt != r.prompt or sib.cache_key != r.cache_key
+                or (r.scoring is not None and r.scoring.scores_prompt)):
+            return None
+        return sib
+
+    def _waits_for_sibling(self, r: Request) -> bool:
+        """Hold `r` back while the sibling it will share with has not decoded its prompt yet."""
+        if r.share is None or (r.scoring is not None and r.scoring.scores_prompt):
+            return False
+        if any(w is r.share for w in self.waiting):
+            return True
+        sib = self._shareable(r)
+        return sib is not None and sib.n_past < len(sib.prompt) - 1
+
+    def _share(self, r: Request, seq: int) -> int:
+        """Give `r` its sibling's prompt KV but the last token (decoded again for its own logits)."""
+        sib = self._shareable(r)
+        n = len(r.prompt) - 1
+        if sib is None or n <= 0 or sib.n_past < n:
+            return 0
+        assert sib.seq is not None
+        self.ctx.handle.memory_seq_rm(seq, -1, -1)
+        N.memory_seq_cp(self.ctx.handle, sib.seq, seq, 0, n)
+        return n
+
     def _reusable(self, seq: int, r: Request) -> int:
         key, toks = self.slot_cache[seq]
-        if key != r.cache_key or self.deterministic:
+        if key != r.cache_key or self.deterministic or (r.scoring is not None and r.scoring.scores_prompt):
+            # (a scored prompt needs the logits of every row, so none of it may come from the cache)
             # deterministic: a reused prefix leaves a short tail computed with other kernels than solo
             return 0
         n = 0
@@ -312,15 +352,24 @@ class Scheduler:
                 plan.append((r, b.n - 1))
                 r.n_past += 1
                 r.pending = None
+        rows_left = SCORE_ROWS  # full-vocabulary logit rows that prompt scoring may still take this decode
         for r in members:
             if r.n_past >= len(r.prompt) or b.n >= b.capacity:
                 continue
             end = min(len(r.prompt), r.n_past + b.capacity - b.n, _phase_end(r))
+            flags: list[bool] | None = None
+            if r.scoring is not None:
+                end = r.scoring.chunk_end(r.n_past, end, rows_left)
+                if end <= r.n_past:
+                    continue  # no rows left in this decode: its next chunk waits for the next one
+                flags = r.scoring.flags(b.n, r.n_past, end, len(r.prompt), r.params.max_tokens > 0)
+                rows_left -= sum(flags)
             chunk = r.prompt[r.n_past:end]
             last = end == len(r.prompt)
+            flags = flags if flags is not None else [False] * (len(chunk) - 1) + [last]
             entries.append((len(chunk), r.phase_at(r.n_past).slot_scales))
-            b.add(chunk, r.n_past, r.seq, [False] * (len(chunk) - 1) + [last])
-            plan.append((r, b.n - 1 if last else None))
+            b.add(chunk, r.n_past, r.seq, flags)
+            plan.append((r, b.n - 1 if last and flags[-1] else None))
             r.n_past = end
         return plan, entries
 
@@ -357,15 +406,36 @@ class Scheduler:
             if r.seq is not None and self.slots[r.seq] is r:
                 self._finish(r, error=err)
 
+    def _score_or_fail(self, r: Request) -> bool:
+        """Read a scored request's prompt rows of this decode; False once it ended (failed, or scored all
+        of a prompt it generates nothing for)."""
+        assert r.scoring is not None
+        try:
+            r.scoring.collect(self.ctx.handle, r.prompt, r.emit)
+        except Exception as e:  # noqa: BLE001 - failure isolation, as for sampling
+            log.exception("scoring failed for one request")
+            self._finish(r, error=e if isinstance(e, LoramuxError) else RequestFailed(
+                "score", r.phase_at(r.n_past).adapters.as_dict(), e))
+            return False
+        if r.params.max_tokens == 0 and r.n_past >= len(r.prompt):
+            self._finish(r, reason="length")
+            return False
+        return True
+
     def _sample(self, r: Request, idx: int) -> None:
         assert r.text is not None
-        if r.sampler is None:
+        if r.grammar is not None:
+            tok = self._constrained(r, idx)
+        elif r.sampler is None:
             tok = self.ctx.handle.argmax(idx)
         else:
             if not self.ctx.handle.logits_finite(idx):  # a sampler would pick garbage from NaN silently
                 raise FloatingPointError(f"the logits of row {idx} are not finite (NaN or +Inf)")
-            tok = r.sampler.sample(self.ctx.handle, idx)
-            r.sampler.accept(tok)
+            tok = r.sampler.sample(self.ctx.handle, idx)  # llama_sampler_sample accepts the token itself
+        if r.scoring is not None:
+            entry = r.scoring.on_token(self.ctx.handle, idx, tok)  # the EOG token too: clients count it
+            if entry is not None:
+                r.emit("logprobs", entry)
         if r.first_token_at is None:
             r.first_token_at = time.monotonic()
         if self.model.is_eog(tok) and not r.params.ignore_eos:
@@ -383,6 +453,16 @@ class Scheduler:
         else:
             r.pending = tok
 
+    def _constrained(self, r: Request, idx: int) -> int:
+        """The grammar's choice: the unconstrained token when the grammar allows it, else one it allows."""
+        assert r.grammar is not None
+        tok = r.grammar.pick(self.ctx.handle, idx, r.sampler)
+        if not self.model.is_eog(tok):  # an end token only ends a finished grammar: nothing to advance
+            r.grammar.accept(tok)
+        if r.sampler is not None:
+            N.sampler_accept(r.sampler, tok)
+        return tok
+
     def _seq_room(self) -> int:
         o = self.ctx.opts
         return self.ctx.n_ctx if o.kv_unified else self.ctx.n_ctx // max(1, o.n_seq_max)
@@ -398,6 +478,8 @@ class Scheduler:
                 self.slot_cache[r.seq] = ((), [])
         if r.sampler is not None:
             r.sampler.close()
+        if r.grammar is not None:
+            r.grammar.close()
         if self.bank is not None:
             for k in r.slots:
                 self.bank.release(k)
@@ -412,8 +494,11 @@ class Scheduler:
 
     def _completion(self, r: Request, reason: str) -> Completion:
         text = r.text.text if r.text is not None else ""
+        sc = r.scoring
         return Completion(text=text, tokens=list(r.generated), finish_reason=reason, prompt_tokens=len(r.prompt),
-                          loras=r.phases[-1].adapters.as_dict(), alora=dict(r.alora))
+                          loras=r.phases[-1].adapters.as_dict(), alora=dict(r.alora),
+                          logprobs=list(sc.generated) if sc and sc.gen_top is not None else None,
+                          prompt_logprobs=list(sc.prompt) if sc and sc.scores_prompt else None)
 
     def fail_all(self, error: Exception) -> None:
         for r in self.waiting:

@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ..engine.bank import bank_info
 from ..engine.runtime import Engine
 from ..sources import CancelToken
-from . import generation
+from . import generation, scoring, tokenize
 from .config import ServerSettings
 from .errors import from_exception, install_handlers
 from .guard import Guard, admin_routes, is_admin, uvicorn_config
@@ -105,11 +105,14 @@ def _routes(app: FastAPI, state: ServerState) -> None:
         return {"object": "list", "data": data}
 
     _generation_routes(app, state)
+    tokenize.add_routes(app, state)
     _adapter_routes(app, state)
 
 
 def _generation_routes(app: FastAPI, state: ServerState) -> None:
     async def generate(http: HTTPRequest, body: CompletionRequest | ChatRequest, chat: bool) -> Response:
+        if scoring.handles(body):  # logprobs, echo, several prompts or sequences: server/scoring.py
+            return await scoring.respond(state, http, body, chat)
         try:
             job = await generation.start(state, body, chat)
         except asyncio.CancelledError:

@@ -88,6 +88,7 @@ class ServerSettings:
     n_batch: int = 512
     threads: int | None = None
     gpu_layers: int = 0
+    rpc: tuple[str, ...] = ()  # llama.cpp RPC workers ("host:port") that hold the base model's layers
     slots: int | None = None  # slot bank: K adapters share every decode (0 = rotate groups); None: = parallel
     slot_rank: int | None = None  # None: the widest start adapter's rank, rounded up to 8 (16 without one)
     adapter_cache_bytes: int = DEFAULT_ADAPTER_CACHE_BYTES  # the bank's warm tier (engine/residency.py)
@@ -137,7 +138,7 @@ class ServerSettings:
         for k in sorted(set(data) - known):
             problems.append(f"unknown key {k!r} (known: {', '.join(sorted(known | {'lora', 'control_vector'}))})")
         kwargs = {k: v for k, v in data.items() if k in known}
-        for k in ("adapter_dirs", "allowed_hosts"):
+        for k in ("adapter_dirs", "allowed_hosts", "rpc"):
             if isinstance(kwargs.get(k), list):
                 kwargs[k] = tuple(str(d) for d in kwargs[k])
         if problems:
@@ -231,7 +232,8 @@ class ServerSettings:
                              n_threads=self.threads, n_gpu_layers=self.gpu_layers,
                              slots=slots if self.slots is None else self.slots,
                              slot_rank=rank if self.slot_rank is None else self.slot_rank,
-                             adapter_cache_bytes=self.adapter_cache_bytes, deterministic=self.deterministic)
+                             adapter_cache_bytes=self.adapter_cache_bytes, deterministic=self.deterministic,
+                             rpc=self.rpc)
 
     def start_ranks(self) -> list[int]:
         """Largest rank of each start adapter that is a readable local file (its header only)."""

@@ -23,6 +23,7 @@ from ..errors import (
     EngineClosedError,
     LoramuxError,
     ParameterError,
+    RpcError,
     ScaleError,
     SourceError,
 )
@@ -80,7 +81,7 @@ def from_exception(exc: BaseException) -> APIError:
     if isinstance(exc, ContextLengthError):
         return APIError(400, str(exc), code="context_length_exceeded", param="messages")
     if isinstance(exc, ParameterError):
-        return APIError(400, str(exc), code="invalid_parameter", param=exc.parameter)
+        return APIError(400, str(exc), code=exc.code, param=exc.parameter)
     if isinstance(exc, ScaleError):
         return APIError(400, str(exc), code="invalid_scale", param="lora")
     if isinstance(exc, DownloadError):
@@ -89,6 +90,8 @@ def from_exception(exc: BaseException) -> APIError:
         return APIError(400, str(exc), code=exc.code, param="lora_path")
     if isinstance(exc, ControlVectorError):
         return APIError(400, str(exc), code=exc.code, param="control_vector")
+    if isinstance(exc, RpcError):  # the RPC workers are gone; the server restarts itself once they answer
+        return APIError(503, str(exc), code=exc.code, headers={"Retry-After": "5"})
     if isinstance(exc, EngineClosedError):
         return APIError(503, "the server is shutting down", code="engine_closed")
     if isinstance(exc, LoramuxError):

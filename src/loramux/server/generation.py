@@ -19,11 +19,15 @@ from typing import Any
 
 from fastapi import Request as HTTPRequest
 
+from ..engine.grammar import ActiveGrammar
 from ..engine.sampling import StopMatcher
+from ..errors import GrammarError
 from .errors import APIError, from_exception
 from .pool import Entry
 from .schemas import ChatRequest, CompletionRequest, SamplingFields
 from .state import ServerState, Ticket
+from .structured import request_grammar, response_schema
+from .tools import ToolPlan, ToolStream, history, parse_calls
 
 log = logging.getLogger("loramux.server")
 
@@ -45,6 +49,8 @@ class Job:
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
     closed: bool = False
+    tools: ToolPlan | None = None  # the request's tools (tool_choice not none)
+    tool_stream: ToolStream | None = None
 
     def finish(self, status: int, completion: Any = None, *, record: bool = True) -> None:
         """Release the adapters and record metrics (unless the caller records the failure); idempotent."""
@@ -92,15 +98,41 @@ def sampling_args(body: SamplingFields, n_prompt: int, n_ctx: int, chat: bool) -
     return args
 
 
+def chat_prompt(state: ServerState, body: ChatRequest) -> tuple[list[int], ToolPlan | None]:
+    """The chat's prompt tokens (tools, tool history, template options applied) and its tool plan."""
+    eng = state.engine
+    try:
+        messages = body.message_dicts()
+    except ValueError as e:
+        raise APIError(400, str(e), code="invalid_request", param="messages") from None
+    template = eng.chat_template()
+    plan = ToolPlan.from_request(body, template)
+    messages = plan.messages(messages, template) if plan is not None else history(messages, template)
+    add = body.add_generation_prompt
+    options: dict[str, Any] = {"continue_final_message": body.continue_final_message,
+                               "kwargs": body.chat_template_kwargs,
+                               "tools": plan.template_tools() if plan is not None and template.handles_tools else None}
+    tokens = eng.chat_tokens(messages, not body.continue_final_message if add is None else add, **options)
+    return tokens, plan
+
+
+def constraint(state: ServerState, body: SamplingFields, plan: ToolPlan | None) -> ActiveGrammar | None:
+    """The request's compiled output grammar (structured.py, tools.py), or None; runs off the event loop."""
+    g = request_grammar(body)
+    if plan is not None:
+        schema, strict = response_schema(body)
+        if g is not None and schema is None:
+            raise GrammarError("tools", "tools cannot be combined with this output constraint (only with "
+                                        "response_format json_schema); send tool_choice none or drop one")
+        g = plan.grammar(schema, strict)
+    return g.compile(state.engine.model) if g is not None else None
+
+
 async def prompt_tokens(state: ServerState, body: CompletionRequest | ChatRequest) -> list[int]:
+    """The request's prompt tokens: the rendered chat (template options applied), or the prompt."""
     eng = state.engine
     if isinstance(body, ChatRequest):
-        try:
-            messages = body.message_dicts()
-        except ValueError as e:
-            raise APIError(400, str(e), code="invalid_request", param="messages") from None
-        text = await asyncio.to_thread(eng.apply_chat_template, messages)
-        return await asyncio.to_thread(eng.tokenize, text, add_bos=False)
+        return (await asyncio.to_thread(chat_prompt, state, body))[0]
     try:
         p = body.single_prompt()
     except ValueError as e:
@@ -123,19 +155,27 @@ async def start(state: ServerState, body: CompletionRequest | ChatRequest, chat:
                        param=bad[0][0])
     ticket = state.admit()  # 429 when the queue is full
     try:
-        job = await _submit(state, body, chat, ticket)
+        job = await submit_job(state, body, chat, ticket)
     except BaseException:
         ticket.release()
         raise
     return job
 
 
-async def _submit(state: ServerState, body: CompletionRequest | ChatRequest, chat: bool, ticket: Ticket) -> Job:
+async def submit_job(state: ServerState, body: CompletionRequest | ChatRequest, chat: bool, ticket: Ticket | None,
+                     tokens: list[int] | None = None, extra: dict[str, Any] | None = None) -> Job:
+    """Resolve a request's adapters and hand it to the engine. `tokens`: its prompt, when the caller
+    tokenized it already; `extra`: more engine settings (scoring's logprobs, a sequence's seed)."""
     started = time.monotonic()
     loras = state.pool.requested_set(body.model, body.lora)
     control = await state.control_setting(body.control_vector)
-    tokens = await prompt_tokens(state, body)
-    sampling = sampling_args(body, len(tokens), state.engine.n_ctx, chat)
+    plan = None
+    if tokens is None and isinstance(body, ChatRequest):
+        tokens, plan = await asyncio.to_thread(chat_prompt, state, body)
+    elif tokens is None:
+        tokens = await prompt_tokens(state, body)
+    sampling = {**sampling_args(body, len(tokens), state.engine.n_ctx, chat), **(extra or {})}
+    grammar = await asyncio.to_thread(constraint, state, body, plan)
     if sampling["stop"]:
         await asyncio.to_thread(StopMatcher.prepare, sampling["stop"])  # not on the engine thread
     model = body.model or state.base_name
@@ -149,22 +189,23 @@ async def _submit(state: ServerState, body: CompletionRequest | ChatRequest, cha
         raise APIError(503, "the requested adapters keep being evicted by other requests' adapters "
                             "(max_loaded too small for this traffic); retry or raise --max-loaded",
                        code="adapter_capacity")
-    job = Job(state, model, chat, body, tokens, entries, started, ticket)
+    job = Job(state, model, chat, body, tokens, entries, started, ticket, tools=plan,
+              tool_stream=plan.stream() if plan is not None else None)
     if body.user or body.metadata:  # OpenAI's end-user id and tags: what they are for is the log
         log.info("request %s on %s: user=%r metadata=%r", job.id, model, body.user, body.metadata)
 
     streaming = bool(getattr(body, "stream", False))
 
     def on_event(kind: str, value: Any) -> None:  # engine thread
-        if kind == "text" and not streaming:
-            return  # nobody reads them: the completion carries the whole text
+        if kind in ("text", "logprobs", "prompt_logprobs") and not streaming:
+            return  # nobody reads them: the completion carries the whole text and every logprob
         try:
             loop.call_soon_threadsafe(job.queue.put_nowait, (kind, value))
         except RuntimeError:  # the loop is gone (shutdown): nobody is listening
             pass
 
     eng = state.engine
-    kwargs: dict[str, Any] = {"loras": loras, "on_event": on_event, **sampling}
+    kwargs: dict[str, Any] = {"loras": loras, "on_event": on_event, "grammar": grammar, **sampling}
     if control is not None:
         kwargs["control"] = control
     try:
@@ -186,7 +227,8 @@ async def _submit(state: ServerState, body: CompletionRequest | ChatRequest, cha
     return job
 
 
-async def _wait_disconnect(request: HTTPRequest) -> None:
+async def wait_disconnect(request: HTTPRequest) -> None:
+    """Return once the client has gone."""
     while True:
         msg = await request.receive()
         if msg["type"] == "http.disconnect":
@@ -205,7 +247,7 @@ async def _drain(job: Job) -> Any:
 async def collect(job: Job, http: HTTPRequest) -> dict[str, Any] | None:
     """Wait for the whole completion and build the body; None (request cancelled) if the client left."""
     drain = asyncio.ensure_future(_drain(job))
-    watch = asyncio.ensure_future(_wait_disconnect(http))
+    watch = asyncio.ensure_future(wait_disconnect(http))
     try:
         await asyncio.wait({drain, watch}, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -230,15 +272,22 @@ def _usage(job: Job, completion: Any) -> dict[str, int]:
     return {"prompt_tokens": len(job.prompt), "completion_tokens": n, "total_tokens": len(job.prompt) + n}
 
 
-def _finish_reason(completion: Any) -> str:
-    return "length" if completion.finish_reason == "length" else "stop"
+def _finish_reason(completion: Any, calls: list[Any] | None = None) -> str:
+    if completion.finish_reason == "length":
+        return "length"
+    return "tool_calls" if calls else "stop"
 
 
 def _full_body(job: Job, completion: Any) -> dict[str, Any]:
     reason = _finish_reason(completion)
     if job.chat:
-        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": completion.text},
-                                  "logprobs": None, "finish_reason": reason}
+        message: dict[str, Any] = {"role": "assistant", "content": completion.text}
+        if job.tools is not None:
+            content, calls = parse_calls(completion.text, [t.function.name for t in job.tools.tools])
+            if calls:
+                message = {"role": "assistant", "content": content or None, "tool_calls": calls}
+                reason = _finish_reason(completion, calls)
+        choice: dict[str, Any] = {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}
         obj, prefix = "chat.completion", "chatcmpl-"
     else:
         choice = {"index": 0, "text": completion.text, "logprobs": None, "finish_reason": reason}
@@ -250,13 +299,16 @@ def _full_body(job: Job, completion: Any) -> dict[str, Any]:
             "choices": [choice], "usage": _usage(job, completion)}
 
 
-def _chunk(job: Job, text: str | None, reason: str | None = None, role: bool = False) -> str:
+def _chunk(job: Job, text: str | None, reason: str | None = None, role: bool = False,
+           tool_calls: list[dict[str, Any]] | None = None) -> str:
     if job.chat:
         delta: dict[str, Any] = {}
         if role:
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
+        if tool_calls is not None:
+            delta["tool_calls"] = tool_calls
         choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
         obj, prefix = "chat.completion.chunk", "chatcmpl-"
     else:
@@ -278,6 +330,10 @@ async def stream(job: Job) -> AsyncIterator[str]:
         while True:
             kind, value = await job.queue.get()
             if kind == "text":
+                if job.tool_stream is not None:
+                    value = job.tool_stream.feed(value)
+                    if not value:
+                        continue
                 yield _chunk(job, value)
                 # to a client that is gone (left, or dropped by the write timeout) a send returns at once:
                 # without this the rest of the queue would go out in one go and count as a 200 before the
@@ -293,7 +349,16 @@ async def stream(job: Job) -> AsyncIterator[str]:
             break
         completion = value
         job.finish(200, completion)
-        last = _chunk(job, None if job.chat else "", reason=_finish_reason(completion))
+        calls: list[dict[str, Any]] = []
+        if job.tool_stream is not None:
+            tail, calls = job.tool_stream.finish()
+            if tail:
+                yield _chunk(job, tail)
+            for i, c in enumerate(calls):  # OpenAI's shape: id, type and name first, then the arguments
+                yield _chunk(job, None, tool_calls=[{"index": i, "id": c["id"], "type": "function",
+                                                     "function": {"name": c["function"]["name"], "arguments": ""}}])
+                yield _chunk(job, None, tool_calls=[{"index": i, "function": {"arguments": c["function"]["arguments"]}}])
+        last = _chunk(job, None if job.chat else "", reason=_finish_reason(completion, calls))
         if job.body.return_token_ids:
             data = json.loads(last[6:])
             data["choices"][0]["token_ids"] = list(completion.tokens)
@@ -310,4 +375,4 @@ async def stream(job: Job) -> AsyncIterator[str]:
         job.finish(499)  # no-op when it finished above; otherwise the client went away
 
 
-__all__ = ["Job", "collect", "sampling_args", "start", "stream"]
+__all__ = ["Job", "collect", "prompt_tokens", "sampling_args", "start", "stream", "submit_job", "wait_disconnect"]

@@ -27,7 +27,8 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from .config import ServerSettings
 from .errors import APIError
 
-INFERENCE_ROUTES = frozenset({("POST", "/v1/completions"), ("POST", "/v1/chat/completions")})
+INFERENCE_ROUTES = frozenset({("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
+                              ("POST", "/tokenize"), ("POST", "/detokenize")})  # read-only, change nothing
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 ADMIN_SCOPE_KEY = "loramux.admin"  # set in the ASGI scope: True when the request carries the admin key

@@ -5,7 +5,7 @@ field is a 400 (`extra="forbid"`), and a known field set to something this serve
 refused by `unsupported()`. Fields that clients send back as null or empty (an assistant message's
 `refusal`, `annotations`, `audio`, `function_call`) are accepted only so. Extensions, as in
 llama-server and vLLM: `lora` (per-request adapter stack), `control_vector`, `top_k`, `min_p`,
-`repeat_penalty`, `ignore_eos`, `return_token_ids`.
+`repeat_penalty`, `ignore_eos`, `return_token_ids`, `prompt_logprobs` (docs/scoring.md).
 """
 
 from __future__ import annotations
@@ -26,6 +26,10 @@ MAX_LORA_REFS = 32  # entries of a per-request `lora` list
 MAX_NAME_CHARS = 1024  # characters of a `model` or control vector name
 MAX_STRENGTH = 1000.0  # |control_vector.strength|
 MAX_INT32 = 2**31 - 1  # what llama.cpp's sampler takes for top_k
+MAX_TOP_LOGPROBS = 20  # logprobs / top_logprobs / prompt_logprobs alternatives per token (OpenAI's bound)
+MAX_PROMPTS = 64  # prompts of one /v1/completions request
+MAX_N = 16  # n and best_of
+MAX_CHOICES = 128  # sequences one request may run: prompts × best_of (or n)
 MAX_METADATA = 16  # OpenAI's limits for `metadata`: 16 pairs, keys ≤ 64 and values ≤ 512 characters
 MAX_METADATA_KEY, MAX_METADATA_VALUE = 64, 512
 MAX_USER_CHARS = 256
@@ -43,6 +47,25 @@ def _check_text(texts: Iterable[str], what: str) -> None:
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class _Checked(_Body):
+    """A body whose every string (its own fields, and inside its free-form dicts and lists: schemas, grammars,
+    tool arguments, template variables) must be valid Unicode: a lone surrogate is a 400 naming the field."""
+
+    @model_validator(mode="after")
+    def _unicode(self) -> _Checked:
+        for name, value in self:
+            stack = [value]
+            while stack:
+                v = stack.pop()
+                if isinstance(v, str):
+                    _check_text([v], name)
+                elif isinstance(v, dict):
+                    stack += [*v.keys(), *v.values()]
+                elif isinstance(v, (list, tuple)):
+                    stack += list(v)
+        return self
 
 
 class LoraRef(_Body):
@@ -70,7 +93,43 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class SamplingFields(_Body):
+MAX_TOOLS = 128  # tools per request
+MAX_TOOL_CALLS = 128  # tool calls per assistant message
+
+
+class JsonSchemaFormat(_Checked):
+    """`response_format.json_schema`: OpenAI's named schema, `strict` as OpenAI defines it."""
+
+    name: str = Field(default="response", max_length=MAX_NAME_CHARS)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Checked):
+    """`response_format`: text, JSON mode, or a JSON schema (llama-server's inline `schema` too)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+
+
+class StructuredOutputs(_Checked):
+    """vLLM's `structured_outputs`: exactly one of json, regex, choice, grammar (or json_object)."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_fallback: bool | None = None
+    disable_any_whitespace: bool | None = None
+    disable_additional_properties: bool | None = None
+    whitespace_pattern: str | None = None
+    structural_tag: Any = None
+
+
+class SamplingFields(_Checked):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = Field(default=None, max_length=MAX_NAME_CHARS)
@@ -84,7 +143,7 @@ class SamplingFields(_Body):
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     seed: int | None = None
     stop: str | list[str] | None = None
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
@@ -95,6 +154,17 @@ class SamplingFields(_Body):
     return_token_ids: bool = False
     lora: list[LoraRef] | None = Field(default=None, max_length=MAX_LORA_REFS)
     control_vector: ControlRef | None = None
+    # constrained output (server/structured.py): at most one of these per request
+    response_format: ResponseFormat | None = None
+    grammar: str | None = None  # llama-server: GBNF
+    json_schema: dict[str, Any] | None = None  # llama-server: a JSON schema
+    guided_json: dict[str, Any] | str | None = None  # vLLM (older names)
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     @field_validator("stop")
     @classmethod
@@ -128,10 +198,18 @@ class SamplingFields(_Body):
         out = []
         if self.store:
             out.append(("store", "loramux does not store completions; send store: false or leave it out"))
-        if self.n != 1:
-            out.append(("n", "only n=1 is supported; send several requests instead"))
         if self.logit_bias:
             out.append(("logit_bias", "logit_bias is not supported"))
+        if self.guided_decoding_backend:
+            out.append(("guided_decoding_backend", "loramux has one backend, llama.cpp's grammar sampler: drop it"))
+        if self.guided_whitespace_pattern:
+            out.append(("guided_whitespace_pattern", "a custom whitespace pattern is not supported"))
+        so = self.structured_outputs
+        if so is not None:
+            for name in ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern",
+                         "structural_tag"):
+                if getattr(so, name):
+                    out.append((f"structured_outputs.{name}", "is not supported"))
         return out
 
     def stops(self) -> tuple[str, ...]:
@@ -153,21 +231,32 @@ class CompletionRequest(SamplingFields):
         _check_text(texts, "the prompt")
         return v
 
-    logprobs: int | None = None
-    best_of: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)  # vLLM's extension
+    best_of: int | None = Field(default=None, ge=1, le=MAX_N)
     suffix: str | None = None
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = super().unsupported()
-        if self.echo:
-            out.append(("echo", "echo is not supported"))
-        if self.logprobs:
-            out.append(("logprobs", "logprobs are not returned by this server"))
-        if self.best_of not in (None, 1):
-            out.append(("best_of", "only best_of=1 is supported"))
+        n_prompts = len(self.prompt_list())
+        if n_prompts > MAX_PROMPTS:
+            out.append(("prompt", f"at most {MAX_PROMPTS} prompts per request, got {n_prompts}"))
+        if self.best_of is not None and self.best_of < self.n:
+            out.append(("best_of", f"best_of ({self.best_of}) must be at least n ({self.n})"))
+        if self.best_of is not None and self.best_of > self.n and self.stream:
+            out.append(("best_of", "best_of > n cannot be streamed (the best are known only at the end)"))
+        if n_prompts * max(self.n, self.best_of or 1) > MAX_CHOICES:
+            out.append(("n", f"prompts × max(n, best_of) may be at most {MAX_CHOICES}"))
         if self.suffix:
             out.append(("suffix", "suffix (insertion) is not supported"))
         return out
+
+    def prompt_list(self) -> list[str | list[int]]:
+        """Every prompt of the request, in order: a string, or token ids."""
+        p: Any = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            return list(p)
+        return [p]
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt of this request (a string or token ids); several prompts are refused."""
@@ -189,22 +278,59 @@ class TextPart(_Body):
     cache_control: dict[str, str] | None = None
 
 
-class ChatMessage(_Body):
+class FunctionDef(_Checked):
+    """A function tool: its name, description and parameters (a JSON schema)."""
+
+    name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Checked):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionCall(_Checked):
+    name: str = Field(max_length=128)
+    arguments: str = ""
+
+
+class ToolCall(_Checked):
+    """An assistant message's tool call, as OpenAI returns it (and clients send it back)."""
+
+    id: str | None = Field(default=None, max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+    index: int | None = None
+
+
+class NamedFunction(_Checked):
+    name: str = Field(max_length=128)
+
+
+class NamedToolChoice(_Checked):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class ChatMessage(_Checked):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = Field(default=None, max_length=MAX_TOOL_CALLS)  # honoured (tools.py)
+    tool_call_id: str | None = Field(default=None, max_length=256)
     # what an assistant message carries when a client sends a response's message back: null or empty only
     refusal: str | None = None
     annotations: list[Any] | None = None
     audio: dict[str, Any] | None = None
     function_call: dict[str, Any] | None = None
-    tool_calls: list[dict[str, Any]] | None = None
-    tool_call_id: str | None = None
 
     def unsupported(self, i: int) -> list[tuple[str, str]]:
         """(parameter, why) for fields of message i this server cannot honour when set."""
         out = []
-        for field in ("refusal", "annotations", "audio", "function_call", "tool_calls", "tool_call_id"):
+        for field in ("refusal", "annotations", "audio", "function_call"):
             if getattr(self, field):
                 out.append((f"messages.{i}.{field}", f"{field} in a message is not supported; send it as null"))
         return out
@@ -237,27 +363,85 @@ class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(default=None, ge=0)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    function_call: Any = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool = False
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = super().unsupported()
         for i, m in enumerate(self.messages):
             out += m.unsupported(i)
-        if self.logprobs or self.top_logprobs:
-            out.append(("logprobs", "logprobs are not returned by this server"))
-        if self.tools or self.functions or self.tool_choice not in (None, "none"):
-            out.append(("tools", "tool calling is not supported"))
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            out.append(("response_format", "only response_format {'type': 'text'} is supported"))
+        if self.top_logprobs is not None and not self.logprobs:
+            out.append(("top_logprobs", "top_logprobs needs logprobs: true"))
+        if self.functions or self.function_call is not None:
+            out.append(("functions", "the legacy functions/function_call API is not supported: send tools and "
+                                     "tool_choice"))
+        if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
+            out.append(("tool_choice", "needs tools"))
+        if self.tools and self.tool_choice != "none" and (self.logprobs or self.n != 1):
+            out.append(("tools", "tools cannot be combined with logprobs or n > 1 yet; send one request per "
+                                 "sequence without logprobs, or tool_choice none"))
         return out
 
-    def message_dicts(self) -> list[dict[str, str]]:
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                for m in self.messages]
+    def message_dicts(self) -> list[dict[str, Any]]:
+        """Messages for the chat template: developer → system; tool calls with their arguments as text."""
+        out = []
+        for m in self.messages:
+            d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            if m.tool_calls:
+                d["tool_calls"] = [{"id": c.id, "type": "function",
+                                    "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                                   for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                d["tool_call_id"] = m.tool_call_id
+            if m.name is not None:
+                d["name"] = m.name
+            out.append(d)
+        return out
+
+
+MAX_DETOKENIZE = 1 << 17  # token ids of one /detokenize request
+
+
+class TokenizeRequest(_Body):
+    """POST /tokenize: vLLM's body (`prompt` or chat `messages`) or llama-server's (`content`)."""
+
+    model: str | None = Field(default=None, max_length=MAX_NAME_CHARS)
+    prompt: str | None = Field(default=None, max_length=MAX_PROMPT_CHARS)
+    content: str | None = Field(default=None, max_length=MAX_PROMPT_CHARS)  # llama-server's name
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1, max_length=MAX_MESSAGES)
+    add_special_tokens: bool | None = None  # vLLM: BOS for a prompt (default true), none for messages
+    add_special: bool | None = None  # llama-server's name for the same
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False  # vLLM: also each token's text
+    with_pieces: bool = False  # llama-server: tokens as {"id", "piece"}
+
+    @field_validator("prompt", "content")
+    @classmethod
+    def _text(cls, v: str | None) -> str | None:
+        if v is not None:
+            _check_text([v], "the text")
+        return v
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        given = [k for k in ("prompt", "content", "messages") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of 'prompt', 'content' or 'messages'")
+        return self
+
+
+class DetokenizeRequest(_Body):
+    """POST /detokenize (vLLM's body; llama-server's is the same)."""
+
+    model: str | None = Field(default=None, max_length=MAX_NAME_CHARS)
+    tokens: list[int] = Field(max_length=MAX_DETOKENIZE)
 
 
 class LoadAdapterRequest(_Body):
@@ -284,7 +468,9 @@ class AdapterScale(_Body):
     scale: float = 0.0
 
 
-__all__ = ["MAX_CONTENT_CHARS", "MAX_CONTENT_PARTS", "MAX_LORA_REFS", "MAX_MESSAGES", "MAX_NAME_CHARS",
-           "MAX_PROMPT_CHARS", "MAX_STOP", "MAX_STOP_CHARS", "MAX_STRENGTH", "AdapterScale", "ChatMessage",
-           "ChatRequest", "CompletionRequest", "ControlRef",
+__all__ = ["MAX_CHOICES", "MAX_CONTENT_CHARS", "MAX_CONTENT_PARTS", "MAX_DETOKENIZE", "MAX_LORA_REFS", "MAX_MESSAGES",
+           "MAX_N", "MAX_NAME_CHARS", "MAX_PROMPTS", "MAX_PROMPT_CHARS", "MAX_STOP", "MAX_STOP_CHARS", "MAX_STRENGTH",
+           "MAX_TOOLS", "MAX_TOOL_CALLS", "MAX_TOP_LOGPROBS", "AdapterScale", "ChatMessage", "ChatRequest",
+           "CompletionRequest", "ControlRef", "DetokenizeRequest", "FunctionCall", "FunctionDef", "JsonSchemaFormat",
+           "NamedToolChoice", "ResponseFormat", "StructuredOutputs", "TokenizeRequest", "Tool", "ToolCall",
            "LoadAdapterRequest", "LoraRef", "SamplingFields", "StreamOptions", "UnloadAdapterRequest"]

@@ -1,0 +1,444 @@
+"""Constrained output: JSON schemas, JSON mode, regular expressions, choices and GBNF grammars.
+
+Each constraint becomes one GBNF grammar, run by llama.cpp's grammar sampler (`_native.GrammarHandle`),
+checked lazily per token by the scheduler. JSON schemas go through llama-cpp-python's maintained port of
+llama.cpp's converter (`llama_cpp.llama_grammar.SchemaConverter`, reached through `_native`), extended here with what it lacks:
+integer and number bounds, and `pattern` through `regex_gbnf` (a documented subset).
+
+A *strict* schema (OpenAI's `strict: true`) is refused with a `GrammarError` naming every keyword the
+grammar cannot enforce, so that every finished output validates. A non-strict one is converted with
+those keywords left unenforced (docs/structured.md lists them).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import threading
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .. import _native as N
+from ..errors import BackendError, GrammarError
+from .regex_gbnf import MAX_REPEAT, gbnf_literal, regex_to_gbnf
+
+if TYPE_CHECKING:
+    from .model import Model
+
+MAX_GRAMMAR_CHARS = 1 << 20  # a GBNF grammar or a converted schema
+MAX_SCHEMA_CHARS = 1 << 18  # a JSON schema, as JSON text
+MAX_CHOICES = 1024
+MAX_DIGITS = 15  # unbounded integer parts: at most this many digits, as llama.cpp's converter does
+
+# Keywords the grammar enforces (or that only annotate); any other one makes a strict schema a 400.
+_ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
+                "readOnly", "writeOnly", "$defs", "definitions", "discriminator", "strict", "name"}
+_ENFORCED = {"type", "properties", "required", "additionalProperties", "items", "prefixItems", "minItems",
+             "maxItems", "enum", "const", "anyOf", "oneOf", "$ref", "minLength", "maxLength", "pattern",
+             "format", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"}
+_FORMATS = {"date", "time", "date-time", "uuid", "uuid1", "uuid2", "uuid3", "uuid4", "uuid5"}
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """A GBNF grammar for one request, with the request field it came from (named by its errors)."""
+
+    gbnf: str
+    param: str
+    root: str = "root"
+
+    def compile(self, model: Model) -> ActiveGrammar:
+        """llama.cpp's grammar sampler for this grammar (`model`: an engine `Model`); a GrammarError if
+        llama.cpp cannot parse it. Safe on any thread: it only reads the vocabulary."""
+        if len(self.gbnf) > MAX_GRAMMAR_CHARS:
+            raise GrammarError(self.param, f"the grammar has {len(self.gbnf)} characters; at most "
+                                           f"{MAX_GRAMMAR_CHARS} are accepted")
+        try:
+            return ActiveGrammar(model, N.GrammarHandle.create(model.handle, self.gbnf, self.root))
+        except BackendError as e:
+            raise GrammarError(self.param, f"llama.cpp cannot use this grammar: {e.message}",
+                               hint="GBNF syntax: https://github.com/ggml-org/llama.cpp/blob/master/grammars/"
+                                    "README.md") from None
+
+
+class ActiveGrammar:
+    """One request's grammar state: llama.cpp's grammar sampler plus a UTF-8 guard.
+
+    llama.cpp's grammar reads a token's bytes as code points and is lenient about UTF-8: it takes a stray
+    continuation byte (a byte-fallback token such as <0x80>) for a character of its own, and accepts
+    overlong forms and surrogates. Unguarded, a string could come out as invalid UTF-8 (and then not parse
+    as JSON). The guard bans, at each step, the tokens whose bytes would make the text so far invalid."""
+
+    def __init__(self, model: Model, handle: N.GrammarHandle) -> None:
+        self.model, self.handle = model, handle
+        self.table = _utf8_table(model)
+        self.state: tuple[int, int, int] = (0, 0, 0)  # (continuation bytes owed, range of the next one)
+
+    def pick(self, ctx: N.ContextHandle, idx: int, chain: N.SamplerHandle | None) -> int:
+        return self.handle.pick(ctx, idx, chain, self.table.ban(self.state))
+
+    def accept(self, token: int) -> None:
+        self.handle.accept(token)
+        self.state = _advance(self.state, self.model.handle.token_bytes(token))
+
+    def close(self) -> None:
+        self.handle.close()
+
+
+def _lead(b: int) -> tuple[int, int, int]:
+    """After a lead byte: (continuation bytes owed, the range the first of them must be in); need 0 for
+    ASCII, and -1 for a byte UTF-8 never uses there."""
+    if b < 0x80:
+        return 0, 0, 0
+    if 0xC2 <= b <= 0xDF:
+        return 1, 0x80, 0xBF
+    if 0xE0 <= b <= 0xEF:
+        return 2, 0xA0 if b == 0xE0 else 0x80, 0x9F if b == 0xED else 0xBF
+    if 0xF0 <= b <= 0xF4:
+        return 3, 0x90 if b == 0xF0 else 0x80, 0x8F if b == 0xF4 else 0xBF
+    return -1, 0, 0
+
+
+def _advance(state: tuple[int, int, int], data: bytes) -> tuple[int, int, int]:
+    need, lo, hi = state
+    for b in data:
+        if need > 0:
+            need, lo, hi = need - 1, 0x80, 0xBF  # (checked by the ban before it was accepted)
+        else:
+            need, lo, hi = _lead(b)
+            need = max(need, 0)
+    return need, lo, hi
+
+
+class _Utf8Table:
+    """Per token: its first bytes, its leading continuation bytes, and whether the rest is strict UTF-8."""
+
+    def __init__(self, model: Model) -> None:
+        import codecs
+
+        n = model.n_vocab
+        self.first = np.zeros(n, dtype=np.int16)
+        self.lead = np.zeros(n, dtype=np.int16)
+        self.size = np.zeros(n, dtype=np.int32)
+        self.ok = np.ones(n, dtype=bool)
+        for t in range(n):
+            b = model.handle.token_bytes(t)
+            self.size[t] = len(b)
+            if not b or max(b) < 0x80:
+                continue
+            self.first[t] = b[0]
+            i = 0
+            while i < len(b) and 0x80 <= b[i] <= 0xBF:
+                i += 1
+            self.lead[t] = i
+            try:
+                codecs.getincrementaldecoder("utf-8")("strict").decode(b[i:], final=False)
+            except UnicodeDecodeError:
+                self.ok[t] = False
+        self._bans: dict[tuple[int, int, int], np.ndarray] = {}
+
+    def ban(self, state: tuple[int, int, int]) -> np.ndarray:
+        hit = self._bans.get(state)
+        if hit is None:
+            need, lo, hi = state
+            if need == 0:
+                hit = ~self.ok | (self.lead != 0)
+            else:
+                hit = (~self.ok | (self.lead != np.minimum(self.size, need))
+                       | (self.first < lo) | (self.first > hi))
+            self._bans[state] = hit
+        return hit
+
+
+_TABLES: weakref.WeakKeyDictionary[Any, _Utf8Table] = weakref.WeakKeyDictionary()
+_TABLES_LOCK = threading.Lock()
+
+
+def _utf8_table(model: Model) -> _Utf8Table:
+    """Once per model (about a second for a 262k vocabulary), on the thread that compiles the first grammar."""
+    with _TABLES_LOCK:
+        hit = _TABLES.get(model)
+        if hit is None:
+            hit = _TABLES[model] = _Utf8Table(model)
+        return hit
+
+
+def gbnf(text: Any, param: str = "grammar") -> Grammar:
+    """A grammar given as GBNF text (llama-server's `grammar`, vLLM's `guided_grammar`), root rule `root`."""
+    if not isinstance(text, str) or not text.strip():
+        raise GrammarError(param, "must be a non-empty GBNF grammar (a string with a 'root ::= ...' rule)")
+    big = max(_repetition_counts(text), default=0)
+    if big > MAX_REPEAT:
+        raise GrammarError(param, f"a repetition count of {big}: at most {MAX_REPEAT} (llama.cpp expands each "
+                                  "repetition into rules)")
+    return Grammar(text, param)
+
+
+def _repetition_counts(text: str) -> list[int]:
+    """The numbers in the grammar's {m,n} repetitions, outside string literals, classes and comments."""
+    out, i, n = [], 0, len(text)
+    while i < n:
+        c = text[i]
+        if c in "\"[":
+            close = '"' if c == '"' else "]"
+            i += 1
+            while i < n and text[i] != close:
+                i += 2 if text[i] == "\\" else 1
+        elif c == "#":
+            while i < n and text[i] != "\n":
+                i += 1
+        elif c == "{":
+            j = text.find("}", i)
+            if j > 0:
+                out += [int(x) for x in text[i + 1:j].replace(" ", "").split(",") if x.isdigit()]
+                i = j
+        i += 1
+    return out
+
+
+def json_object(param: str = "response_format") -> Grammar:
+    """OpenAI's JSON mode: any JSON object."""
+    return Grammar(N.JSON_GBNF, param)
+
+
+def choice(options: Any, param: str = "guided_choice") -> Grammar:
+    """Exactly one of these strings."""
+    if (not isinstance(options, (list, tuple)) or not options or len(options) > MAX_CHOICES
+            or not all(isinstance(o, str) and o for o in options)):
+        raise GrammarError(param, f"must be a list of 1 to {MAX_CHOICES} non-empty strings")
+    return Grammar("root ::= " + " | ".join(gbnf_literal(o) for o in dict.fromkeys(options)), param)
+
+
+def regex(pattern: Any, param: str = "guided_regex") -> Grammar:
+    """The whole output matches this regular expression (the subset in `regex_gbnf`)."""
+    return Grammar("root ::= " + regex_to_gbnf(pattern, param=param), param)
+
+
+def json_schema(schema: Any, *, param: str = "response_format", strict: bool = True) -> Grammar:
+    """Output that is JSON valid against `schema` (see the module docstring for `strict`)."""
+    rules, _ = schema_rules(schema, param=param, strict=strict, name="")
+    return Grammar(rules, param)
+
+
+def schema_rules(schema: Any, *, param: str, strict: bool, name: str) -> tuple[str, str]:
+    """GBNF rules for `schema` and the name of its top rule (`root` when `name` is empty)."""
+    rules, names = schemas_rules({name: schema}, param=param, strict=strict)
+    return rules, names[name]
+
+
+def schemas_rules(schemas: dict[str, Any], *, param: str, strict: bool) -> tuple[str, dict[str, str]]:
+    """GBNF rules for several schemas in one grammar (rule names prefixed by their keys), and each one's top
+    rule: for callers that build a larger grammar around them (tool calls)."""
+    conv = _Converter(param=param, strict=strict)
+    tops = {}
+    for name, schema in schemas.items():
+        if isinstance(schema, bool):
+            schema = {} if schema else None
+        if not isinstance(schema, dict):
+            raise GrammarError(param, "the JSON schema must be an object")
+        try:
+            size = len(json.dumps(schema))
+        except (TypeError, ValueError, RecursionError):
+            raise GrammarError(param, "the JSON schema is not JSON (or nests too deep)") from None
+        if size > MAX_SCHEMA_CHARS:
+            raise GrammarError(param, f"the JSON schema has {size} characters; at most {MAX_SCHEMA_CHARS}")
+        if strict:
+            try:
+                bad = unenforced(schema)
+            except RecursionError:
+                raise GrammarError(param, "the JSON schema nests too deep") from None
+            if bad:
+                raise GrammarError(param, "this strict schema uses what constrained decoding cannot enforce: "
+                                   + "; ".join(bad[:8]),
+                                   hint="drop those keywords, or send strict: false to have them ignored")
+        try:
+            # resolve_refs rewrites the schema in place: work on a copy, the caller keeps its own
+            tops[name] = conv.visit(conv.resolve_refs(copy.deepcopy(schema), f"request-{name or 'root'}"), name)
+        except GrammarError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the converter asserts, indexes and recurses on what it is given
+            raise GrammarError(param, f"the JSON schema cannot be converted to a grammar: {type(e).__name__}: "
+                                      f"{str(e)[:300]}") from None
+    return conv.format_grammar(), tops
+
+
+def unenforced(schema: Any, path: str = "$") -> list[str]:
+    """'path: keyword' for every keyword of `schema` the grammar would not enforce."""
+    out: list[str] = []
+    if not isinstance(schema, dict):
+        return out if isinstance(schema, bool) else [f"{path}: a schema must be an object"]
+    for k in schema:
+        if k not in _ENFORCED and k not in _ANNOTATIONS:
+            out.append(f"{path}: {k}")
+    fmt = schema.get("format")
+    if fmt is not None and fmt not in _FORMATS:
+        out.append(f"{path}: format {fmt!r} (enforced: {', '.join(sorted(_FORMATS))})")
+    if "pattern" in schema and ({"minLength", "maxLength", "format"} & set(schema)):
+        out.append(f"{path}: pattern together with minLength/maxLength/format")
+    if isinstance(schema.get("type"), list) and len(set(schema) & _ENFORCED) > 1:
+        out.append(f"{path}: a list of types together with other constraints (use anyOf)")
+    if "enum" in schema or "const" in schema:
+        return out  # the values are literal: nothing under them needs checking
+    out += _number_problems(schema, path)
+    for key in ("properties", "$defs", "definitions"):
+        for k, sub in (schema.get(key) or {}).items():
+            out += unenforced(sub, f"{path}.{key}.{k}" if key != "properties" else f"{path}.{k}")
+    for key in ("anyOf", "oneOf", "prefixItems"):
+        for i, sub in enumerate(schema.get(key) or ()):
+            out += unenforced(sub, f"{path}.{key}[{i}]")
+    for key in ("items", "additionalProperties"):
+        if isinstance(schema.get(key), dict):
+            out += unenforced(schema[key], f"{path}.{key}")
+    return out
+
+
+def _number_problems(schema: dict[str, Any], path: str) -> list[str]:
+    bounds = [k for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum") if k in schema]
+    if not bounds:
+        return []
+    if schema.get("type") not in ("integer", "number"):
+        return [f"{path}: {bounds[0]} without type integer or number"]
+    vals = [schema[k] for k in bounds]
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in vals):
+        return [f"{path}: {bounds[0]} must be a finite number"]
+    if schema["type"] == "number":
+        if any(float(v) != int(v) for v in vals):
+            return [f"{path}: a number bound that is not a whole number ({', '.join(bounds)})"]
+        if any(k.startswith("exclusive") for k in bounds):
+            return [f"{path}: exclusiveMinimum/exclusiveMaximum on a number (only on integers)"]
+    return []
+
+
+# ------------------------------------------------------------------------------ bounded numbers
+
+def _same_length(a: str, b: str) -> list[str]:
+    """GBNF sequences for the digit strings of one length from a to b."""
+    if a == b:
+        return [" ".join(f'"{c}"' for c in a)]
+    if len(a) == 1:
+        return [f"[{a}-{b}]"]
+    if a[0] == b[0]:
+        return [f'"{a[0]}" {p}' for p in _same_length(a[1:], b[1:])]
+    out, rest = [], len(a) - 1
+    lo_full, hi_full = int(a[0]), int(b[0])
+    if a[1:] != "0" * rest:
+        out += [f'"{a[0]}" {p}' for p in _same_length(a[1:], "9" * rest)]
+        lo_full += 1
+    tail = []
+    if b[1:] != "9" * rest:
+        tail = [f'"{b[0]}" {p}' for p in _same_length("0" * rest, b[1:])]
+        hi_full -= 1
+    if lo_full <= hi_full:
+        first = f'"{lo_full}"' if lo_full == hi_full else f"[{lo_full}-{hi_full}]"
+        out.append(first + f" [0-9]{{{rest}}}")
+    return out + tail
+
+
+def _natural_range(lo: int, hi: int | None) -> str:
+    """GBNF for the decimal naturals in [lo, hi] (hi None: unbounded), with no leading zeros."""
+    alts: list[str] = []
+    d = len(str(lo))
+    while hi is None or lo <= hi:
+        top = 10 ** d - 1
+        end = top if hi is None else min(hi, top)
+        alts += _same_length(str(lo), str(end))
+        if hi is None:
+            alts.append(f"[1-9] [0-9]{{{d},{MAX_DIGITS}}}")
+            break
+        lo, d = end + 1, d + 1
+    return "(" + " | ".join(alts) + ")"
+
+
+def integer_range(lo: int | None, hi: int | None) -> str:
+    """GBNF for the JSON integers in [lo, hi] (None: unbounded on that side)."""
+    alts = []
+    if hi is None or hi >= 0:
+        alts.append(_natural_range(max(lo, 0) if lo is not None else 0, hi))
+    if lo is None or lo < 0:
+        m_lo = 1 if hi is None or hi >= 0 else -hi
+        alts.append('"-" ' + _natural_range(m_lo, None if lo is None else -lo))
+    return "(" + " | ".join(alts) + ")"
+
+
+def number_range(lo: int | None, hi: int | None) -> str:
+    """GBNF for JSON numbers in [lo, hi] with whole-number bounds: a decimal point, no exponent."""
+    frac = '("." [0-9]{1,15})?'
+    zero_frac = '("." "0"{1,15})?'
+
+    def magnitude(a: int, b: int | None) -> list[str]:  # decimals in [a, b], a, b whole and ≥ 0
+        if b is None:
+            return [f"{_natural_range(a, None)} {frac}"]
+        out = [f"{_natural_range(a, b - 1)} {frac}"] if b > a else []
+        return out + [f"{_natural_range(b, b)} {zero_frac}"]
+    alts = []
+    if hi is None or hi >= 0:
+        alts += magnitude(max(lo, 0) if lo is not None else 0, hi)
+    if lo is None or lo < 0:
+        alts += ['"-" ' + m for m in magnitude(0 if hi is None or hi >= 0 else -hi, None if lo is None else -lo)]
+    return "(" + " | ".join(alts) + ")"
+
+
+class _Converter(N.SchemaConverter):  # type: ignore[misc]
+    """llama-cpp-python's SchemaConverter, plus numeric bounds and our regex subset for `pattern`."""
+
+    def __init__(self, *, param: str, strict: bool) -> None:
+        super().__init__(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
+        self.param, self.strict = param, strict
+
+    def visit(self, schema: Any, name: str) -> str:
+        if isinstance(schema, bool):
+            schema = {} if schema else {"not": {}}
+        if not isinstance(schema, dict):
+            raise GrammarError(self.param, f"a JSON schema must be an object, got {type(schema).__name__}")
+        rule_name = name + "-" if name in N.GRAMMAR_RESERVED_NAMES else name or "root"
+        t = schema.get("type")
+        if t in ("integer", "number") and not ({"enum", "const"} & set(schema)) and not _number_problems(
+                schema, "") and any(k in schema for k in ("minimum", "maximum", "exclusiveMinimum",
+                                                          "exclusiveMaximum")):
+            lo, hi = _bounds(schema, self.param)
+            body = integer_range(lo, hi) if t == "integer" else number_range(lo, hi)
+            return self._add_rule(rule_name, body + " space")
+        if t in (None, "string") and isinstance(schema.get("pattern"), str) and "enum" not in schema:
+            expr = regex_to_gbnf(schema["pattern"], param=self.param, json_string=True, anchored=False)
+            return self._add_rule(rule_name, f'"\\"" {expr} "\\"" space')
+        return super().visit(schema, name)
+
+    def format_grammar(self) -> str:
+        # Upstream's string character admits raw control characters, which JSON does not: a string holding a
+        # raw newline would not parse. Use the JSON grammar's definition.
+        char = self._rules.get("char")
+        if char is not None and char.startswith('[^"\\\\]'):
+            self._rules["char"] = '[^"\\\\\\x7F\\x00-\\x1F]' + char[len('[^"\\\\]'):]
+        return str(super().format_grammar())
+
+
+def _bounds(schema: dict[str, Any], param: str) -> tuple[int | None, int | None]:
+    lo = hi = None
+    if "minimum" in schema:
+        lo = math.ceil(schema["minimum"])
+    if "exclusiveMinimum" in schema:
+        v = math.floor(schema["exclusiveMinimum"]) + 1
+        lo = v if lo is None else max(lo, v)
+    if "maximum" in schema:
+        hi = math.floor(schema["maximum"])
+    if "exclusiveMaximum" in schema:
+        v = math.ceil(schema["exclusiveMaximum"]) - 1
+        hi = v if hi is None else min(hi, v)
+    if lo is not None and hi is not None and lo > hi:
+        raise GrammarError(param, f"the bounds leave no value (minimum {lo} > maximum {hi})")
+    return lo, hi
+
+
+def union(grammars: Sequence[str]) -> str:
+    """An alternation of GBNF expressions."""
+    return "(" + " | ".join(grammars) + ")"
+
+
+__all__ = ["ActiveGrammar", "MAX_CHOICES", "MAX_GRAMMAR_CHARS", "MAX_SCHEMA_CHARS", "Grammar", "choice", "gbnf",
+           "integer_range", "json_object", "json_schema", "number_range", "regex", "schema_rules", "schemas_rules", "union",
+           "unenforced"]

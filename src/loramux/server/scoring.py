@@ -1,0 +1,440 @@
+"""Requests that score or fan out: logprobs, echo, prompt_logprobs, several prompts, n and best_of.
+
+One HTTP request becomes a `Group` of engine requests (one per prompt and sequence), submitted back to
+back so they share decode steps (through the slot bank, whatever their adapters). The engine computes
+every log-probability on its own thread (engine/scoring.py); this module only shapes them:
+OpenAI's legacy completions `logprobs` object (`tokens`, `token_logprobs`, `top_logprobs`,
+`text_offset`), chat's `logprobs.content[]` with `bytes`, and vLLM's `prompt_logprobs`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request as HTTPRequest
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from ..engine.sampling import Completion
+from ..engine.scoring import TokenLogprob
+from . import generation
+from .errors import APIError, from_exception
+from .generation import Job
+from .schemas import ChatRequest, CompletionRequest
+from .state import ServerState, Ticket
+
+
+def handles(body: CompletionRequest | ChatRequest) -> bool:
+    """Does this request need scoring or several sequences (else the plain generation path serves it)?"""
+    if isinstance(body, CompletionRequest):
+        return bool(body.echo or body.logprobs is not None or body.prompt_logprobs is not None
+                    or len(body.prompt_list()) != 1 or body.n > 1 or (body.best_of or 1) > 1)
+    return bool(body.logprobs) or body.n > 1
+
+
+class Pieces:
+    """Token text for responses, cached per request; llama.cpp is called from worker threads only."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.handle = state.engine.model.handle
+        self._cache: dict[tuple[int, bool], bytes] = {}
+
+    def raw(self, token: int, special: bool = True) -> bytes:
+        key = (token, special)
+        b = self._cache.get(key)
+        if b is None:
+            b = self._cache[key] = self.handle.token_bytes(token, special=special)
+        return b
+
+    def text(self, token: int) -> str:
+        """The token as OpenAI shows it: its text, or `bytes:\\xNN…` when it is not whole UTF-8."""
+        b = self.raw(token)
+        try:
+            return b.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{x:02x}" for x in b)
+
+    def width(self, token: int) -> int:
+        """Characters the token adds to the text (special tokens add none), for text_offset."""
+        return len(self.raw(token, special=False).decode("utf-8", errors="replace"))
+
+
+@dataclass
+class Group:
+    """The engine requests of one HTTP request, in choice order (prompt-major)."""
+
+    state: ServerState
+    body: CompletionRequest | ChatRequest
+    chat: bool
+    model: str
+    ticket: Ticket
+    started: float
+    per_prompt: int  # sequences run per prompt (best_of, else n)
+    prompts: list[list[int]] = field(default_factory=list)
+    prompt_texts: list[str] = field(default_factory=list)
+    jobs: list[Job] = field(default_factory=list)
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    created: int = field(default_factory=lambda: int(time.time()))
+    closed: bool = False
+
+    @property
+    def prefix(self) -> str:
+        return "chatcmpl-" if self.chat else "cmpl-"
+
+    @property
+    def obj(self) -> str:
+        return "chat.completion" if self.chat else "text_completion"
+
+    def finish(self, status: int, completions: list[Completion] | None = None, *, record: bool = True) -> None:
+        """Release every job and the ticket, and record the request once (unless the caller records the
+        failure); idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        for j, c in zip(self.jobs, completions or [None] * len(self.jobs)):
+            j.finish(status, c, record=False)
+        self.ticket.release()
+        if not record:
+            return
+        first = [j.request.first_token_at for j in self.jobs if j.request is not None and j.request.first_token_at]
+        self.state.record(self.model, status, started=self.started, first_token_at=min(first) if first else None,
+                          prompt_tokens=sum(len(p) for p in self.prompts),
+                          generated_tokens=None if completions is None else sum(len(c.tokens) for c in completions))
+
+
+def _wanted(body: CompletionRequest | ChatRequest) -> tuple[int | None, int | None]:
+    """(prompt top-N, generated top-N) the engine computes; None where not needed."""
+    if isinstance(body, ChatRequest):
+        return None, (body.top_logprobs or 0) if body.logprobs else None
+    prompt = body.logprobs if body.echo and body.logprobs is not None else None
+    if body.prompt_logprobs is not None:
+        prompt = max(prompt or 0, body.prompt_logprobs)
+    gen = body.logprobs
+    if gen is None and (body.best_of or 1) > body.n:
+        gen = 0  # ranking the sequences needs their cumulative logprob
+    return prompt, gen
+
+
+async def _start(state: ServerState, body: CompletionRequest | ChatRequest, chat: bool) -> Group:
+    bad = body.unsupported()
+    if bad:
+        raise APIError(400, "; ".join(f"{p}: {why}" for p, why in bad), code="unsupported_parameter",
+                       param=bad[0][0])
+    ticket = state.admit()
+    per = body.n if chat else max(body.n, body.best_of or 1)
+    group = Group(state, body, chat, body.model or state.base_name, ticket, time.monotonic(), per)
+    try:
+        subs = [body] if chat else [body.model_copy(update={"prompt": p}) for p in body.prompt_list()]
+        for sub in subs:
+            group.prompts.append(await generation.prompt_tokens(state, sub))
+            p = getattr(sub, "prompt", "")
+            group.prompt_texts.append(p if isinstance(p, str) else await asyncio.to_thread(
+                state.engine.detokenize, group.prompts[-1]))
+        k_prompt, k_gen = _wanted(body)
+        for sub, toks in zip(subs, group.prompts):
+            for j in range(per):
+                extra: dict[str, Any] = {"logprobs": k_gen, "prompt_logprobs": k_prompt}
+                if j:  # the sequences of one prompt share its KV (the engine decodes it once)
+                    extra["share"] = group.jobs[-j].request
+                if body.seed is not None:
+                    seed = (body.seed + j) & 0xFFFFFFFF  # each sequence its own, reproducible, seed
+                    extra["seed"] = seed - (seed == 0xFFFFFFFF)  # llama.cpp reads that one as "random"
+                group.jobs.append(await generation.submit_job(state, sub, chat, None, tokens=toks, extra=extra))
+    except BaseException:
+        group.finish(499, record=False)  # respond() records the failure
+        raise
+    return group
+
+
+async def respond(state: ServerState, http: HTTPRequest, body: CompletionRequest | ChatRequest,
+                  chat: bool) -> Response:
+    """Serve one scoring or fan-out request, as JSON or as SSE."""
+    try:
+        group = await _start(state, body, chat)
+    except asyncio.CancelledError:
+        state.metrics.requests.labels(state.label(body.model), "499").inc()
+        raise
+    except Exception as e:
+        state.metrics.requests.labels(state.label(body.model), str(from_exception(e).status)).inc()
+        raise
+    if body.stream:
+        return _GroupStream(group)
+    result = await _collect(group, http)
+    return JSONResponse(result) if result is not None else Response(status_code=499)
+
+
+async def _drain(job: Job) -> Completion:
+    while True:
+        kind, value = await job.queue.get()
+        if kind == "done":
+            return value
+        if kind == "error":
+            raise value
+
+
+async def _collect(group: Group, http: HTTPRequest) -> dict[str, Any] | None:
+    drains = asyncio.ensure_future(asyncio.gather(*(_drain(j) for j in group.jobs)))
+    watch = asyncio.ensure_future(generation.wait_disconnect(http))
+    try:
+        await asyncio.wait({drains, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not drains.done():
+            drains.cancel()
+    if not drains.done() or drains.cancelled():
+        group.finish(499)
+        return None
+    try:
+        completions = drains.result()
+    except BaseException as e:
+        err = from_exception(e)
+        group.finish(err.status)
+        raise err from None
+    group.finish(200, completions)
+    return await asyncio.to_thread(_full_body, group, completions, Pieces(group.state))
+
+
+def _choices(group: Group, completions: list[Completion]) -> list[tuple[int, int, Completion]]:
+    """(prompt index, job index, completion) of the returned choices: per prompt, all n sequences, or the
+    n of best_of with the highest cumulative logprob."""
+    n, per = group.body.n, group.per_prompt
+    out = []
+    for i in range(len(group.prompts)):
+        idx = list(range(i * per, (i + 1) * per))
+        if per > n:
+            idx = sorted(idx, key=lambda k: -sum(e.logprob or 0.0 for e in completions[k].logprobs or ()))[:n]
+        out.extend((i, k, completions[k]) for k in idx)
+    return out
+
+
+def _full_body(group: Group, completions: list[Completion], pieces: Pieces) -> dict[str, Any]:
+    body = group.body
+    choices = []
+    for index, (i, _, c) in enumerate(_choices(group, completions)):
+        reason = "length" if c.finish_reason == "length" else "stop"
+        if group.chat:
+            choice: dict[str, Any] = {"index": index, "message": {"role": "assistant", "content": c.text},
+                                      "logprobs": _chat_logprobs(c.logprobs, pieces, body.top_logprobs or 0)
+                                      if body.logprobs else None, "finish_reason": reason}
+        else:
+            assert isinstance(body, CompletionRequest)
+            echo = group.prompt_texts[i] if body.echo else ""
+            choice = {"index": index, "text": echo + c.text, "finish_reason": reason,
+                      "logprobs": _legacy_logprobs(c, pieces, body, len(group.prompt_texts[i]))}
+            if body.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = _vllm_prompt_logprobs(c.prompt_logprobs or [], pieces,
+                                                                  body.prompt_logprobs)
+        if body.return_token_ids:
+            choice["token_ids"] = list(c.tokens)
+            choice["prompt_token_ids"] = list(group.prompts[i])
+        choices.append(choice)
+    n_prompt = sum(len(p) for p in group.prompts)
+    n_gen = sum(len(c.tokens) for c in completions)
+    return {"id": group.prefix + group.id, "object": group.obj, "created": group.created, "model": group.model,
+            "choices": choices,
+            "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen}}
+
+
+def _legacy_logprobs(c: Completion, pieces: Pieces, body: CompletionRequest, prompt_chars: int
+                     ) -> dict[str, Any] | None:
+    if body.logprobs is None:
+        return None
+    entries = list(c.prompt_logprobs or []) if body.echo else []
+    entries += list(c.logprobs or [])
+    return legacy_entries(entries, pieces, body.logprobs, 0 if body.echo else prompt_chars)
+
+
+def legacy_entries(entries: list[TokenLogprob], pieces: Pieces, top_n: int, offset: int) -> dict[str, Any]:
+    """OpenAI's legacy `logprobs` object; each top_logprobs dict holds the top N and the chosen token."""
+    out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for e in entries:
+        out["tokens"].append(pieces.text(e.token))
+        out["token_logprobs"].append(e.logprob)
+        out["text_offset"].append(offset)
+        offset += pieces.width(e.token)
+        if e.logprob is None:
+            out["top_logprobs"].append(None)
+            continue
+        top: dict[str, float] = {}
+        for t, lp in e.top[:top_n]:
+            top.setdefault(pieces.text(t), lp)
+        top.setdefault(pieces.text(e.token), e.logprob)
+        out["top_logprobs"].append(top)
+    return out
+
+
+def _chat_entry(token: int, lp: float, pieces: Pieces) -> dict[str, Any]:
+    return {"token": pieces.text(token), "logprob": lp, "bytes": list(pieces.raw(token))}
+
+
+def _chat_logprobs(entries: list[TokenLogprob] | None, pieces: Pieces, top_n: int) -> dict[str, Any]:
+    """Chat's `logprobs`: one `content[]` entry per generated token (not the end-of-turn token)."""
+    content = []
+    for e in entries or []:
+        if pieces.handle.is_eog(e.token):
+            continue
+        d = _chat_entry(e.token, e.logprob or 0.0, pieces)
+        d["top_logprobs"] = [_chat_entry(t, lp, pieces) for t, lp in e.top[:top_n]]
+        content.append(d)
+    return {"content": content, "refusal": None}
+
+
+def _vllm_prompt_logprobs(entries: list[TokenLogprob], pieces: Pieces, top_n: int) -> list[Any]:
+    """vLLM's `prompt_logprobs`: None for the first token, then {token id: {logprob, rank, decoded_token}}
+    with the prompt's own token and the top N."""
+    out: list[Any] = []
+    for e in entries:
+        if e.logprob is None:
+            out.append(None)
+            continue
+        d = {str(e.token): {"logprob": e.logprob, "rank": e.rank, "decoded_token": pieces.text(e.token)}}
+        for r, (t, lp) in enumerate(e.top[:top_n], 1):
+            d.setdefault(str(t), {"logprob": lp, "rank": r, "decoded_token": pieces.text(t)})
+        out.append(d)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Streaming
+# ----------------------------------------------------------------------------------------------
+
+def _sse(obj: Any) -> str:
+    import json
+
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+@dataclass
+class _Choice:
+    """What one streamed choice has sent so far."""
+
+    pending: list[TokenLogprob] = field(default_factory=list)  # logprobs not yet sent with a text chunk
+    offset: int = 0  # text_offset of the next token
+
+
+def _chunk(group: Group, index: int, text: str | None, entries: list[TokenLogprob] | None, pieces: Pieces,
+           st: _Choice, reason: str | None = None, role: bool = False) -> str:
+    body = group.body
+    if group.chat:
+        delta: dict[str, Any] = {"role": "assistant"} if role else {}
+        if text is not None:
+            delta["content"] = text
+        lp = _chat_logprobs(entries, pieces, body.top_logprobs or 0) if body.logprobs and entries else None
+        choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason}
+        obj = "chat.completion.chunk"
+    else:
+        assert isinstance(body, CompletionRequest)
+        lp = None
+        if body.logprobs is not None and entries:
+            lp = legacy_entries(entries, pieces, body.logprobs, st.offset)
+            st.offset += sum(pieces.width(e.token) for e in entries)
+        choice = {"index": index, "text": text or "", "logprobs": lp, "finish_reason": reason}
+        obj = "text_completion"
+    return _sse({"id": group.prefix + group.id, "object": obj, "created": group.created, "model": group.model,
+                 "choices": [choice]})
+
+
+async def _merged(group: Group) -> AsyncIterator[tuple[int, str, Any]]:
+    """Every job's events, tagged with the job's index, as they come."""
+    q: asyncio.Queue[tuple[int, str, Any]] = asyncio.Queue()
+
+    async def pump(k: int, job: Job) -> None:
+        while True:
+            kind, value = await job.queue.get()
+            q.put_nowait((k, kind, value))
+            if kind in ("done", "error"):
+                return
+    tasks = [asyncio.ensure_future(pump(k, j)) for k, j in enumerate(group.jobs)]
+    try:
+        left = len(tasks)
+        while left:
+            item = await q.get()
+            left -= item[1] in ("done", "error")
+            yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def _events(group: Group, pieces: Pieces, states: list[_Choice]
+                  ) -> AsyncIterator[str | tuple[int, Completion]]:
+    """The SSE chunks of the sequences as they generate; each finished Completion once, in between."""
+    body = group.body
+    echo = isinstance(body, CompletionRequest) and body.echo
+    for k, st in enumerate(states):
+        if group.chat:
+            yield _chunk(group, k, "", None, pieces, st, role=True)
+        else:
+            st.offset = 0 if echo else len(group.prompt_texts[k // group.per_prompt])
+    async for k, kind, value in _merged(group):
+        st = states[k]
+        if kind == "logprobs":
+            st.pending.append(value)
+        elif kind == "prompt_logprobs" and echo:
+            yield await asyncio.to_thread(_chunk, group, k, group.prompt_texts[k // group.per_prompt], value,
+                                          pieces, st)
+        elif kind == "text":
+            entries, st.pending = st.pending, []
+            yield await asyncio.to_thread(_chunk, group, k, value, entries, pieces, st)
+            await asyncio.sleep(0)  # see generation.stream: lets a disconnect be seen between chunks
+        elif kind == "error":
+            raise value
+        elif kind == "done":
+            entries, st.pending = st.pending, []
+            yield await asyncio.to_thread(_chunk, group, k, None if group.chat else "", entries, pieces, st,
+                                          "length" if value.finish_reason == "length" else "stop")
+            yield (k, value)
+
+
+async def _stream(group: Group) -> AsyncIterator[str]:
+    pieces = Pieces(group.state)
+    states = [_Choice() for _ in group.jobs]
+    done: dict[int, Completion] = {}
+    try:
+        async for item in _events(group, pieces, states):
+            if isinstance(item, str):
+                yield item
+            else:
+                done[item[0]] = item[1]
+    except Exception as e:  # noqa: BLE001 - one failed sequence fails the request; the server goes on
+        err = from_exception(e)
+        group.finish(err.status)
+        yield _sse(err.body())
+        yield "data: [DONE]\n\n"
+        return
+    finally:
+        if len(done) < len(group.jobs):
+            group.finish(499)
+    completions = [done[k] for k in range(len(group.jobs))]
+    group.finish(200, completions)
+    opts = group.body.stream_options
+    if opts is not None and opts.include_usage:
+        n_prompt = sum(len(p) for p in group.prompts)
+        n_gen = sum(len(c.tokens) for c in completions)
+        yield _sse({"id": group.prefix + group.id, "object": "chat.completion.chunk" if group.chat
+                    else "text_completion", "created": group.created, "model": group.model, "choices": [],
+                    "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_gen,
+                              "total_tokens": n_prompt + n_gen}})
+    yield "data: [DONE]\n\n"
+
+
+class _GroupStream(StreamingResponse):
+    """SSE response that always settles its group, even when the client leaves before the body starts."""
+
+    def __init__(self, group: Group) -> None:
+        super().__init__(_stream(group), media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.group = group
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.group.finish(499)
+
+
+__all__ = ["Group", "Pieces", "handles", "legacy_entries", "respond"]
