@@ -16,7 +16,7 @@ import logging
 import math
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -571,6 +571,9 @@ KV_TYPES = {"f32": G.F32, "f16": G.F16, "bf16": G.BF16, "q8_0": G.Q8_0}
 
 
 def _make_eval_callback(fn: EvalCallback) -> Any:
+    if isinstance(fn, MatmulStops):
+        return C.ggml_backend_sched_eval_callback(_stops_trampoline(fn))
+
     def trampoline(t: int, ask: bool, _user: Any) -> bool:
         # An exception in an ask=False call would silently truncate the graph: never let one out.
         try:
@@ -684,6 +687,51 @@ FTYPES: dict[str, int] = {
     for name in dir(C) if name.startswith("LLAMA_FTYPE_MOSTLY_")
 }
 FTYPES["F32"] = int(getattr(C, "LLAMA_FTYPE_ALL_F32", 0))
+
+
+# --------------------------------------------------------------------------------------------
+# Selective eval callbacks (the slot bank's per-token masks)
+# --------------------------------------------------------------------------------------------
+
+class MatmulStops:
+    """An eval callback that stops only at MUL_MAT nodes whose first source is one of `src0`.
+
+    ggml asks the callback about every node of every graph (about 1,500 per decode of Gemma 3
+    270M), so the ask answer is what the eval callback costs per step. A context created with a
+    `MatmulStops` answers it in one Python frame with two scalar reads (see `_stops_trampoline`)
+    instead of going through a generic callback; `on_node(t)` runs for each selected node after it
+    was computed and must not raise (an error there would cut the graph short: it is logged and the
+    node is left as computed, so the caller must check its own bookkeeping after the decode).
+    Calling the object directly behaves like any `EvalCallback` (for tests and other contexts).
+    `src0` may be replaced between decodes (an empty set: no stops at all, the graph runs in one go).
+    """
+
+    __slots__ = ("on_node", "src0")
+
+    def __init__(self, src0: Iterable[int], on_node: Callable[[int], None]) -> None:
+        self.src0 = frozenset(src0)
+        self.on_node = on_node
+
+    def __call__(self, t: int, ask: bool) -> bool:
+        if ask:
+            return _void_at(t + _OFF_SRC0).value in self.src0 and _int_at(t + _OFF_OP).value == OP_MUL_MAT
+        self.on_node(t)
+        return True
+
+
+def _stops_trampoline(stops: MatmulStops) -> Callable[[int, bool, Any], bool]:
+    on_node, mul_mat = stops.on_node, OP_MUL_MAT
+    void_at, int_at, off_src0, off_op = _void_at, _int_at, _OFF_SRC0, _OFF_OP
+
+    def trampoline(t: int, ask: bool, _user: Any) -> bool:
+        try:
+            if ask:  # the common case: one set lookup; the op is read only for a selected source
+                return void_at(t + off_src0).value in stops.src0 and int_at(t + off_op).value == mul_mat
+            on_node(t)
+        except Exception:  # noqa: BLE001 - never truncate the graph (see MatmulStops)
+            log.exception("eval callback failed")
+        return not ask  # after a node: go on; a failed ask: do not stop there
+    return trampoline
 
 
 # --------------------------------------------------------------------------------------------

@@ -51,9 +51,14 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--parallel", type=int, default=None, help="sequences decoded together (default 4)")
     p.add_argument("--slots", type=int, default=None, metavar="K",
                    help="slot bank: requests on up to K different adapters share every decode step "
-                        "(default 4; 0: adapter-set groups take turns instead)")
+                        "(default: --parallel, so a request on one adapter never waits for a slot; "
+                        "0: adapter-set groups take turns instead; see docs/scaling.md)")
     p.add_argument("--slot-rank", type=int, default=None, metavar="R",
-                   help="largest adapter rank a bank slot holds (default 16; larger ones take turns)")
+                   help="largest adapter rank a bank slot holds (default: the widest --lora adapter's "
+                        "rank rounded up to a multiple of 8, else 16; larger ones take turns)")
+    p.add_argument("--adapter-cache-bytes", type=int, default=None, metavar="N",
+                   help="warm tier: bytes of prepared slot blocks kept in RAM so an adapter re-enters a "
+                        "bank slot by one copy (default 536870912 = 512 MiB; 0: none; docs/scaling.md)")
     p.add_argument("--deterministic", action="store_true", default=None,
                    help="batch-invariant kernels: a request's output does not depend on what it is "
                         "batched with (slower)")
@@ -171,6 +176,7 @@ def settings_from_args(args: argparse.Namespace) -> Any:
     return base.override(
         model=args.model, host=args.host, port=args.port, parallel=args.parallel, n_ctx=args.n_ctx,
         slots=args.slots, slot_rank=args.slot_rank, deterministic=args.deterministic,
+        adapter_cache_bytes=args.adapter_cache_bytes,
         n_batch=args.n_batch, threads=args.threads, gpu_layers=args.gpu_layers,
         rpc=parse_endpoints(args.rpc, "--rpc") if args.rpc else None,
         api_key=_key(args, "api_key"), admin_api_key=_key(args, "admin_api_key"),

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,9 +46,11 @@ from .factor_stage import FactorTensors
 from .model import Context, Model
 from .options import BANK_NODE_ACCESS
 from .registry import AdapterSet
+from .residency import DEFAULT_CACHE_BYTES, Prefetcher, SlotBlocks, SlotMemory, WarmCache
 
 PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 VIEW_CACHE_MAX = 4096  # cached node views (a few per graph shape); cleared when exceeded
+STOP_FREE_AFTER = 8  # decodes on one slot set before idle slots are parked to skip the masks
 
 
 @dataclass
@@ -178,11 +180,14 @@ class SlotBank:
     """K slots of rank r over every projection of the base model. Engine-thread only."""
 
     def __init__(self, model: Model, slots: int, rank: int, *, dtype: str = "f32",
-                 node_access: str = "auto") -> None:
+                 node_access: str = "auto", cache_bytes: int = DEFAULT_CACHE_BYTES,
+                 run: Callable[[Callable[[], None]], None] | None = None) -> None:
         """`node_access`: how the bank nodes' outputs are masked. "auto": in place when the node's
         buffer is host memory, else by reading and writing only the rows the mask changes
         (ggml_backend_tensor_get/set, e.g. on a GPU or over RPC). "device": always the transfer path
-        (to check it on a CPU; it gives the same bits)."""
+        (to check it on a CPU; it gives the same bits). `cache_bytes` bounds the warm tier
+        (engine/residency.py); `run(fn)` runs fn on the engine thread (prefetched blocks are kept
+        there; default: at once, on the caller's)."""
         if slots < 1 or rank < 1:
             raise LoramuxError(f"a slot bank needs slots ≥ 1 and slot_rank ≥ 1 (got {slots}, {rank})")
         if node_access not in BANK_NODE_ACCESS:
@@ -200,6 +205,13 @@ class SlotBank:
         self.adapter = LoRAAdapter(model, path, "__bank__")
         self._facs: dict[str, FactorTensors] = dict(self.adapter.factor_tensors())
         self._a_ptrs = {self._facs[t].a: t for t in self.targets}
+        # cb_eval: stop at bank A·x nodes only (the ask test runs for every node of every decode, so
+        # it is answered in _native's one-frame trampoline) and mask them in place.
+        self.callback = N.MatmulStops(self._a_ptrs, self._on_node)
+        self._stops = self.callback.src0
+        self._uniform_run: tuple[tuple[bool, ...] | None, int] = (None, 0)  # slots used, decodes in a row
+        self.stop_free_decodes = 0  # decodes that needed no masks (see _stop_free)
+        self.parked = 0  # idle slots zeroed so that decodes could run without masks
         self._target_set = frozenset(self.targets)
         self._esize = ELEMENT_SIZE[self._facs[self.targets[0]].type]
         self._store = np.float32 if self._esize == 4 else np.float16
@@ -207,6 +219,10 @@ class SlotBank:
         self.plan: MaskPlan | None = None
         self._views: dict[tuple[int | None, int | None, int], np.ndarray | None] = {}
         self.writes = 0
+        self.memory = SlotMemory(self._facs, self.targets, slots, rank, self._store)
+        self.warm = WarmCache(cache_bytes)
+        self._run = run or (lambda fn: fn())
+        self.prefetcher = Prefetcher(self.warm, self.prepare, self._keep_warm)
         self.unplanned = 0  # bank nodes met with no plan (zeroed); a decode outside decode() did that
 
     # -- admission -----------------------------------------------------------------------------
@@ -296,20 +312,24 @@ class SlotBank:
         for s in self.slots:
             if s.adapter is adapter:
                 s.adapter, s.version, s.pinned = None, -1, False
+        self.warm.discard(adapter)
 
     def resident(self) -> list[str]:
         return [s.adapter.name for s in self.slots if s.adapter is not None]
 
     def _write(self, k: int, adapter: LoRAAdapter) -> None:
-        """Write `adapter` into slot k, all or nothing: checked completely first, then written."""
+        """Write `adapter` into slot k, all or nothing: checked completely first (or warm: checked when it
+        was prepared), then copied in."""
         version = adapter.version
-        arrays = self._slot_arrays(adapter)  # raises before anything changed
+        blocks = self.warm.get(adapter)
+        if blocks is None:
+            blocks = self.prepare(adapter)  # raises before anything changed
+            self.warm.put(blocks)
         s = self.slots[k]
         s.adapter, s.version, s.pinned = None, -1, False  # empty from here until the last tensor is in
-        r0 = k * self.r
         try:
-            for t, (a, b) in arrays.items():
-                self._put(self._facs[t], r0, a, b)
+            for t in self.targets:
+                self.memory.put(k, t, blocks.blocks.get(t))
         except Exception as e:
             self._clear(k)
             raise BackendError("slot bank write", None, f"writing adapter {adapter.name!r} into slot {k} "
@@ -317,29 +337,32 @@ class SlotBank:
         s.adapter, s.version = adapter, version
         self.writes += 1
 
-    def _slot_arrays(self, adapter: LoRAAdapter) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-        """Every target's slot block (A (r, in), B (out, r), B scaled by the target's alpha/rank), checked."""
-        facs = adapter.all_factors()  # live factors (engine thread: inline)
+    def prepare(self, adapter: LoRAAdapter) -> SlotBlocks:
+        """The adapter's slot blocks (A (r_t, in), B (out, r_t) scaled by the target's alpha/rank), checked.
+
+        Any thread: the live factors are read on the engine thread (between decodes), the rest here.
+        Raises AdapterError naming every problem when they cannot go into a slot.
+        """
+        version = adapter.version
+        facs = adapter.all_factors()  # live factors (on the engine thread: inline)
         problems: list[str] = []
         out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         with np.errstate(over="ignore", invalid="ignore"):
-            for t in self.targets:
+            for t, (fa, fb) in facs.items():
+                if t not in self._target_set:
+                    continue
                 f = self._facs[t]
                 out_dim, in_dim = f.b_shape[0], f.a_shape[1]
-                a = np.zeros((self.r, in_dim), self._store)
-                b = np.zeros((out_dim, self.r), self._store)
-                if t in facs:
-                    fa, fb = facs[t]
-                    rt = fa.shape[0]
-                    if rt > self.r or fa.shape != (rt, in_dim) or fb.shape != (out_dim, rt):
-                        problems.append(f"{t}: A{fa.shape} B{fb.shape} do not fit a slot of rank {self.r} "
-                                        f"(A ({self.r}, {in_dim}) at most)")
-                        continue
-                    a[:rt] = fa
-                    b[:, :rt] = fb * np.float32(adapter.tensor_scaling(t))
-                    if not (np.isfinite(a).all() and np.isfinite(b).all()):
-                        problems.append(f"{t}: not finite in the bank's {np.dtype(self._store).name} "
-                                        f"after scaling B by alpha/rank = {adapter.tensor_scaling(t):g}")
+                rt = fa.shape[0]
+                if rt > self.r or fa.shape != (rt, in_dim) or fb.shape != (out_dim, rt):
+                    problems.append(f"{t}: A{fa.shape} B{fb.shape} do not fit a slot of rank {self.r} "
+                                    f"(A ({self.r}, {in_dim}) at most)")
+                    continue
+                a = np.ascontiguousarray(fa, self._store)
+                b = np.ascontiguousarray(fb * np.float32(adapter.tensor_scaling(t)), self._store)
+                if not (np.isfinite(a).all() and np.isfinite(b).all()):
+                    problems.append(f"{t}: not finite in the bank's {np.dtype(self._store).name} "
+                                    f"after scaling B by alpha/rank = {adapter.tensor_scaling(t):g}")
                 out[t] = (a, b)
         missing = [t for t in facs if t not in self._target_set]
         if missing:
@@ -349,23 +372,42 @@ class SlotBank:
             raise AdapterError(str(adapter.path), "cannot be written into a slot of the bank",
                                problems=problems[:5], name=adapter.name,
                                hint="the slot was left empty; serve this adapter without slots")
-        return out
-
-    def _put(self, f: FactorTensors, r0: int, a: np.ndarray, b: np.ndarray) -> None:
-        in_dim, out_dim = a.shape[1], b.shape[0]
-        N.tensor_set(f.a, np.ascontiguousarray(a), offset=r0 * in_dim * self._esize)
-        N.tensor_set_2d(f.b, np.ascontiguousarray(b), offset=r0 * self._esize, row_bytes=self.r * self._esize,
-                        n_rows=out_dim, stride_tensor=self.width * self._esize)
+        return SlotBlocks(adapter.uid, version, adapter.name, out)
 
     def _clear(self, k: int) -> None:
         """Zero slot k everywhere (best effort, after a failed write: it must hold only finite values)."""
-        for t in self.targets:
-            f = self._facs[t]
-            try:
-                self._put(f, k * self.r, np.zeros((self.r, f.a_shape[1]), self._store),
-                          np.zeros((f.b_shape[0], self.r), self._store))
-            except Exception:  # noqa: BLE001 - the slot stays marked empty: its rows are never selected
-                pass
+        self.memory.clear(k)
+
+    def _keep_warm(self, adapter: LoRAAdapter, blocks: SlotBlocks) -> None:
+        """Keep prefetched blocks, on the engine thread, unless the adapter was unloaded meanwhile (its
+        forget() already ran there: nothing would ever drop them)."""
+        self._run(lambda: None if adapter.handle.closed else self.warm.put(blocks))
+
+    def prefetch(self, adapters: Sequence[LoRAAdapter]) -> None:
+        """Make these adapters warm in the background unless they are in a slot or warm already."""
+        for a in adapters:
+            if self.slot_of(a) is None and self.refusal(a) is None:
+                self.prefetcher.submit(a)
+
+    def _unique(self, sets: Sequence[AdapterSet]) -> list[LoRAAdapter] | None:
+        """The distinct adapters of these sets if admit() would bank them, else None (served natively)."""
+        uniq = list({a.uid: a for s in sets for a, _ in s.items}.values())
+        if len(uniq) > self.K or any(self.refusal(a) is not None for a in uniq):
+            return None
+        return uniq
+
+    def takes_new_slots(self, sets: Sequence[AdapterSet]) -> bool:
+        """Would admitting these sets write at least one slot (take a slot no one holds for them)?"""
+        uniq = self._unique(sets)
+        return uniq is not None and any(self.slot_of(a) is None for a in uniq)
+
+    def can_ever_admit(self, sets: Sequence[AdapterSet]) -> bool:
+        """Banked sets that fit once every running request released its slots (pinned slots stay)."""
+        uniq = self._unique(sets)
+        if uniq is None:
+            return False
+        free = sum(1 for s in self.slots if not s.pinned or any(s.adapter is a for a in uniq))
+        return len(uniq) <= free
 
     # -- masks ---------------------------------------------------------------------------------
     def decode(self, ctx: Context, entries: list[tuple[int, Sequence[tuple[int, float]]]]) -> None:
@@ -375,14 +417,50 @@ class SlotBank:
         Raises BackendError (after the decode) when a bank node was not masked as planned.
         """
         b, o = ctx.batch, ctx.opts
+        scales = token_scales(self, entries)
+        if self._stop_free(scales):
+            self.callback.src0 = frozenset()  # no node stops: the graph runs in one go
+            try:
+                ctx.handle.decode(b)
+            finally:
+                self.callback.src0 = self._stops
+            self.stop_free_decodes += 1
+            return
         ubs = plan_ubatches(b.seq[: b.n], o.n_ubatch, o.kv_unified)
-        self.set_plan(token_scales(self, entries), b.logits[: b.n] != 0, ubs)
+        self.set_plan(scales, b.logits[: b.n] != 0, ubs)
         try:
             ctx.handle.decode(b)
         except BaseException:
             self.plan = None
             raise
         self.check()
+
+    def _stop_free(self, scales: np.ndarray) -> bool:
+        """Can this decode run without masks? When every token uses the same slots at scale exactly 1
+        and every other slot holds only zeros: their rows of A·x are then 0 and B·0 adds nothing, which
+        is what the masks would do, without stopping the graph at every bank node (each stop is a
+        sub-graph computation and a thread barrier). After STOP_FREE_AFTER such decodes in a row, idle
+        slots in the way are zeroed (parked): their adapters stay warm and come back by one copy.
+        Tokens use only their own slots either way; an Inf in a token's own activations turns its
+        zero rows into NaN here, where masks would have zeroed them (its output is broken anyway).
+        """
+        if len(scales) == 0 or not (scales == scales[0]).all() or not np.isin(scales[0], (0.0, 1.0)).all():
+            self._uniform_run = (None, 0)
+            return False
+        key = tuple(scales[0] != 0)
+        run = self._uniform_run[1] + 1 if self._uniform_run[0] == key else 1
+        self._uniform_run = (key, run)
+        others = [k for k in range(self.K) if not key[k] and not self.memory.is_zero(k)]
+        if not others:
+            return True
+        if run < STOP_FREE_AFTER or any(self.slots[k].refs or self.slots[k].pinned for k in others):
+            return False
+        for k in others:
+            s = self.slots[k]
+            s.adapter, s.version = None, -1
+            self.memory.clear(k)
+        self.parked += len(others)
+        return all(self.memory.is_zero(k) for k in others)
 
     def set_plan(self, token_scales: np.ndarray, out_flags: np.ndarray,
                  ubatches: list[np.ndarray] | None = None) -> None:
@@ -396,10 +474,8 @@ class SlotBank:
         ubs = ubatches if ubatches is not None else [np.arange(len(full))]
         self.plan = MaskPlan([(Mask(full[u]), Mask(full[u[flags[u]]])) for u in ubs], len(self.targets))
 
-    def callback(self, t: int, ask: bool) -> bool:
-        """cb_eval: stop at bank A·x nodes and mask them in place; never truncate the graph."""
-        if ask:  # called for every node of the graph: the cheapest test (one read, a set lookup) first
-            return N.node_src0(t) in self._a_ptrs and N.node_op(t) == N.OP_MUL_MAT
+    def _on_node(self, t: int) -> None:
+        """After a bank A·x node was computed: mask it in place; never raise (see N.MatmulStops)."""
         try:
             self._mask_node(t)
         except Exception as e:  # noqa: BLE001 - raising here would silently skip the rest of the graph
@@ -409,7 +485,6 @@ class SlotBank:
                 self._zero_node(t)
             except Exception:  # noqa: BLE001 - check() fails this decode's requests either way
                 pass
-        return True
 
     def _mask_node(self, t: int) -> None:
         n_tok = N.node_ne1(t)
@@ -488,6 +563,8 @@ class SlotBank:
                                hint="llama.cpp's graph no longer matches the bank plan; serve without slots")
 
     def close(self) -> None:
+        self.prefetcher.close()
+        self.memory.close()
         self.adapter.close()
         self._dir.cleanup()
 

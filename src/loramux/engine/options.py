@@ -7,13 +7,15 @@ probes pass around. Importing this module does not load llama.cpp.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from ..errors import ParameterError
 
 KV_TYPES = ("f16", "f32", "bf16", "q8_0")
+#: Default bound of the slot bank's warm tier (engine/residency.py): ~65 rank-8 F32 adapters of Gemma 3 270M.
+DEFAULT_ADAPTER_CACHE_BYTES = 512 * 2**20
 BANK_NODE_ACCESS = ("auto", "device")  # see SlotBank: in place on host memory, else row transfers
 
 
@@ -24,7 +26,8 @@ class EngineOptions:
     n_ctx: tokens per sequence. n_parallel: sequences decoded together. n_batch: tokens per decode.
     n_threads: CPU threads (None: all available). n_gpu_layers: layers offloaded on a GPU build.
     use_mmap / use_mlock: how the weights are mapped. flash_attn / kv_unified / kv_type: llama.cpp's
-    attention and KV-cache settings. slots / slot_rank: the slot bank (0 slots: none). deterministic:
+    attention and KV-cache settings. slots / slot_rank: the slot bank (0 slots: none). adapter_cache_bytes:
+    the bank's warm tier, prepared slot blocks in host RAM (0: none; see engine/residency.py). deterministic:
     batch-invariant serving (see README, "Deterministic mode"). rpc: llama.cpp RPC workers
     ("host:port", from `loramux rpc-worker`) that hold the base model's layers (see engine/rpc.py).
     """
@@ -40,6 +43,7 @@ class EngineOptions:
     kv_unified: bool = False
     slots: int = 0
     slot_rank: int = 16
+    adapter_cache_bytes: int = DEFAULT_ADAPTER_CACHE_BYTES
     bank_node_access: str = "auto"
     deterministic: bool = False
     kv_type: str = "f16"
@@ -56,6 +60,8 @@ class EngineOptions:
                 problems.append((name, f"must be ≥ 1 (got {getattr(self, name)})"))
         if self.slots < 0:
             problems.append(("slots", f"must be ≥ 0 (0 = no slot bank; got {self.slots})"))
+        if self.adapter_cache_bytes < 0:
+            problems.append(("adapter_cache_bytes", f"must be ≥ 0 (0 = no warm tier; got {self.adapter_cache_bytes})"))
         if self.n_threads is not None and self.n_threads < 1:
             problems.append(("n_threads", f"must be ≥ 1, or None for all cores (got {self.n_threads})"))
         if self.bank_node_access not in BANK_NODE_ACCESS:
@@ -87,6 +93,20 @@ class EngineOptions:
         return {k: v for k, v in self.as_dict().items() if getattr(default, k) != v}
 
 
+def bank_size(n_parallel: int, ranks: Iterable[int] = ()) -> tuple[int, int]:
+    """The default slot bank for `n_parallel` sequences and adapters of these ranks: (slots, slot_rank).
+
+    slots = n_parallel: a free sequence then always finds a free slot for a one-adapter request, so
+    such a request never waits for the bank, and each extra slot costs every decode step (the bank's
+    width K·r is paid by every token; see docs/scaling.md for the measurement). slot_rank = the
+    largest rank given, rounded up to a multiple of 8 (16 when no rank is known): a narrower slot
+    than the widest adapter would serve that adapter natively, a wider one costs every step.
+    """
+    known = [int(r) for r in ranks if int(r) > 0]
+    rank = -(-max(known) // 8) * 8 if known else 16
+    return max(1, n_parallel), rank
+
+
 def parse_endpoint(text: str, option: str = "rpc") -> str:
     """`text` as "host:port" (IPv6 hosts in brackets are refused: ggml-rpc splits at the first colon)."""
     host, sep, port = text.strip().rpartition(":")
@@ -112,4 +132,5 @@ def parse_endpoints(values: str | Sequence[str], option: str = "rpc") -> tuple[s
     return out
 
 
-__all__ = ["BANK_NODE_ACCESS", "EngineOptions", "KV_TYPES", "parse_endpoint", "parse_endpoints"]
+__all__ = ["BANK_NODE_ACCESS", "DEFAULT_ADAPTER_CACHE_BYTES", "EngineOptions", "KV_TYPES", "bank_size",
+           "parse_endpoint", "parse_endpoints"]

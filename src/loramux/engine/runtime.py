@@ -98,7 +98,8 @@ class Engine:
         self.registry = Registry()
         # The slot bank's per-token masks need the batch's token order in every node: a unified KV
         # cache and one ubatch per decode (see bank.py).
-        self.bank = SlotBank(model, opts.slots, opts.slot_rank, node_access=opts.bank_node_access) if opts.slots else None
+        self.bank = (SlotBank(model, opts.slots, opts.slot_rank, node_access=opts.bank_node_access,
+                              cache_bytes=opts.adapter_cache_bytes, run=self.call) if opts.slots else None)
         self.deterministic = opts.deterministic
         if opts.deterministic:
             _check_deterministic(model, opts.flash_attn, opts.kv_unified)
@@ -575,6 +576,7 @@ class Engine:
             self._wake.set()
             self._thread.join()
         self._closed = True
+        self._drain_commands(EngineClosedError("the engine was closed"))
         for c in (self.ctx, self._eval_ctx):
             if c is not None:
                 c.close()

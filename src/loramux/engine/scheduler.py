@@ -14,6 +14,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +32,8 @@ log = logging.getLogger("loramux")
 
 _ids = itertools.count(1)
 GROUP_RUN_STEPS = 8  # steps a group keeps the context before another waiting group gets it
+SLOT_WAIT_STEPS = 32  # decode steps a request may wait for bank slots before no later request passes it
+SLOT_WAITS_KEPT = 4096  # recent slot waits kept for the p50/p99 figures
 
 
 @dataclass
@@ -77,6 +80,8 @@ class Request:
     slots: list[int] = field(default_factory=list)  # bank slots held while running
     text: TextAssembler | None = None
     first_token_at: float | None = None
+    blocked_step: int | None = None  # decode step at which it first waited for bank slots
+    blocked_at: float | None = None
     scoring: Scoring | None = None  # logprobs wanted (prompt and/or generated tokens; see scoring.py)
     share: Request | None = None  # n > 1: a sibling on the same prompt whose prompt KV this one shares
 
@@ -120,6 +125,7 @@ class Scheduler:
         self.group: tuple[Any, ...] | None = None
         self.group_steps = 0
         self.applied_cvec: Any = None
+        self._slot_waits: deque[float] = deque(maxlen=SLOT_WAITS_KEPT)
         # prompt_tokens_reused: prefix tokens taken from a slot's cache instead of decoded again;
         # batch_tokens: tokens sent to llama_decode; multi_seq_steps: decodes holding several sequences.
         self.stats = {"adapter_switches": 0, "decode_steps": 0, "prompt_tokens": 0, "generated_tokens": 0,
@@ -138,6 +144,12 @@ class Scheduler:
 
     def submit(self, req: Request) -> None:
         self.waiting.append(req)
+        if self.bank is not None and len(self.waiting) > self.slots.count(None):
+            self._prefetch(req)  # it will wait: make its adapters warm meanwhile (off this thread)
+
+    def _prefetch(self, req: Request) -> None:
+        assert self.bank is not None
+        self.bank.prefetch([a for ph in req.phases for a, _ in ph.adapters.items])
 
     def snapshot(self) -> dict[str, Any]:
         """Load figures for metrics. Safe from any thread: it reads copies, so values may be a step old."""
@@ -152,7 +164,7 @@ class Scheduler:
             return out
         return {"waiting": len(waiting), "running": len(running), "kv_used": sum(r.n_past for r in running),
                 "kv_total": self.ctx.n_ctx, "running_adapters": per_adapter(running),
-                "waiting_adapters": per_adapter(waiting), **dict(self.stats)}
+                "waiting_adapters": per_adapter(waiting), **self.slot_wait_quantiles(), **dict(self.stats)}
 
     # -- one step -----------------------------------------------------------------------------
     def step(self) -> None:
@@ -199,7 +211,7 @@ class Scheduler:
         blocked: list[Request] = []
         while self.waiting and None in self.slots:
             r = self.waiting.pop(0)
-            if self._waits_for_sibling(r):
+            if self._waits_for_sibling(r) or (blocked and self._held_back(blocked[0], r)):
                 blocked.append(r)
                 continue
             try:
@@ -208,8 +220,13 @@ class Scheduler:
                 self._finish(r, error=e)
                 continue
             if not admitted:
+                if r.blocked_step is None:
+                    r.blocked_step, r.blocked_at = self.stats["decode_steps"], time.monotonic()
+                    self._prefetch(r)  # its slot load at admission is then a copy
                 blocked.append(r)  # its adapters wait for bank slots; later requests may still go
                 continue
+            if r.slots:
+                self._slot_waits.append(time.monotonic() - r.blocked_at if r.blocked_at is not None else 0.0)
             free = [i for i, s in enumerate(self.slots) if s is None]
             seq, keep = max(((i, self._reusable(i, r)) for i in free), key=lambda x: x[1])
             shared = self._share(r, seq)
@@ -239,6 +256,29 @@ class Scheduler:
             ph.slot_scales = list(adm.scales[i]) if adm.banked else []
         r.slots = list(adm.slots)
         return True
+
+    def _held_back(self, head: Request, r: Request) -> bool:
+        """No adapter starves: behind a request that waits for bank slots, a later request may not take
+        an idle slot (it could be the one the head needs); once the head waited SLOT_WAIT_STEPS decode
+        steps, nothing passes it until it is in (running requests finish and free their slots)."""
+        if self.bank is None:
+            return False
+        sets = [ph.adapters for ph in head.phases]
+        if not self.bank.can_ever_admit(sets):
+            return False  # it will be refused or served natively: nobody should wait for it
+        assert head.blocked_step is not None
+        if self.stats["decode_steps"] - head.blocked_step >= SLOT_WAIT_STEPS:
+            return True
+        return self.bank.takes_new_slots([ph.adapters for ph in r.phases])
+
+    def slot_wait_quantiles(self) -> dict[str, float]:
+        """p50 / p99 / max seconds that recent banked requests waited for bank slots (0 when not at all)."""
+        waits = sorted(self._slot_waits)
+        if not waits:
+            return {"slot_wait_p50_s": 0.0, "slot_wait_p99_s": 0.0, "slot_wait_max_s": 0.0}
+        return {"slot_wait_p50_s": waits[len(waits) // 2],
+                "slot_wait_p99_s": waits[min(len(waits) - 1, int(0.99 * len(waits)))],
+                "slot_wait_max_s": waits[-1]}
 
     def _shareable(self, r: Request) -> Request | None:
         """The running sibling whose prompt KV `r` can share (unified KV, same prompt and adapters), or None."""

@@ -7,6 +7,8 @@
     port = 8080
     parallel = 8
     slots = 8                            # slot bank: requests on 8 different adapters share each decode
+                                         # (default: one slot per parallel sequence; docs/scaling.md)
+    adapter_cache_bytes = 536870912      # warm tier: prepared slot blocks kept in RAM (default 512 MiB)
     n_ctx = 4096                         # tokens per sequence
     api_key_env = "LORAMUX_API_KEY"      # read the key from this variable (or api_key_file, api_key = "...")
     admin_api_key_file = "/run/secrets/loramux-admin"   # enables load/unload/global scales (off without it)
@@ -40,9 +42,10 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from ..engine.options import EngineOptions
+from ..engine.options import DEFAULT_ADAPTER_CACHE_BYTES, EngineOptions, bank_size
 from ..engine.runtime import Engine
-from ..errors import ParameterError
+from ..errors import LoramuxError, ParameterError
+from ..gguf_io import validate_adapter
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-:@+/]{0,127}$")
 NAME_RULE = "1-128 characters: letters, digits and . _ - : @ + /, starting with a letter or digit"
@@ -86,8 +89,9 @@ class ServerSettings:
     threads: int | None = None
     gpu_layers: int = 0
     rpc: tuple[str, ...] = ()  # llama.cpp RPC workers ("host:port") that hold the base model's layers
-    slots: int = 4  # slot bank: K adapters share every decode (0 = rotate adapter-set groups)
-    slot_rank: int = 16
+    slots: int | None = None  # slot bank: K adapters share every decode (0 = rotate groups); None: = parallel
+    slot_rank: int | None = None  # None: the widest start adapter's rank, rounded up to 8 (16 without one)
+    adapter_cache_bytes: int = DEFAULT_ADAPTER_CACHE_BYTES  # the bank's warm tier (engine/residency.py)
     deterministic: bool = False  # batch-invariant kernels: outputs do not depend on the batch
     api_key: str | None = field(default=None, repr=False)
     admin_api_key: str | None = field(default=None, repr=False)  # None: no endpoint changes server state
@@ -152,8 +156,11 @@ class ServerSettings:
         for name in ("parallel", "n_ctx", "n_batch", "max_body_bytes"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 problems.append(f"{name}: must be a positive integer, got {getattr(self, name)!r}")
-        if self.slots < 0 or self.slot_rank < 1:
+        if (self.slots is not None and self.slots < 0) or (self.slot_rank is not None and self.slot_rank < 1):
             problems.append(f"slots/slot_rank: need slots ≥ 0 and slot_rank ≥ 1, got {self.slots}/{self.slot_rank}")
+        if not isinstance(self.adapter_cache_bytes, int) or self.adapter_cache_bytes < 0:
+            problems.append(f"adapter_cache_bytes: must be a number of bytes ≥ 0 (0: no warm tier), "
+                            f"got {self.adapter_cache_bytes!r}")
         if self.max_loaded is not None and self.max_loaded < 1:
             problems.append(f"max_loaded: must be ≥ 1, got {self.max_loaded}")
         if self.max_adapter_bytes is not None and (type(self.max_adapter_bytes) is not int
@@ -216,10 +223,29 @@ class ServerSettings:
 
     # ------------------------------------------------------------------ engine
     def engine_options(self) -> EngineOptions:
-        """The engine these settings ask for (raises ParameterError naming a bad option)."""
+        """The engine these settings ask for (raises ParameterError naming a bad option).
+
+        Slots and slot rank not given follow `bank_size`: one slot per parallel sequence, the rank
+        of the widest start adapter that is a local file (remote ones are not fetched yet)."""
+        slots, rank = bank_size(self.parallel, self.start_ranks() if self.slot_rank is None else ())
         return EngineOptions(n_ctx=self.n_ctx, n_parallel=self.parallel, n_batch=self.n_batch,
-                             n_threads=self.threads, n_gpu_layers=self.gpu_layers, slots=self.slots,
-                             slot_rank=self.slot_rank, deterministic=self.deterministic, rpc=self.rpc)
+                             n_threads=self.threads, n_gpu_layers=self.gpu_layers,
+                             slots=slots if self.slots is None else self.slots,
+                             slot_rank=rank if self.slot_rank is None else self.slot_rank,
+                             adapter_cache_bytes=self.adapter_cache_bytes, deterministic=self.deterministic,
+                             rpc=self.rpc)
+
+    def start_ranks(self) -> list[int]:
+        """Largest rank of each start adapter that is a readable local file (its header only)."""
+        ranks = []
+        for e in self.loras:
+            p = Path(e.source).expanduser()
+            try:
+                if p.is_file():
+                    ranks.append(max(a[0] for a, _ in validate_adapter(p).shapes.values()))
+            except (LoramuxError, OSError, ValueError):
+                continue  # the load reports it properly
+        return ranks
 
     def build_engine(self) -> Engine:
         """Load the base model and the start adapters (loaded, not in the global set unless `apply`)."""

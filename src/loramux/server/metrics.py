@@ -54,6 +54,10 @@ class _LiveCollector:
             ("loramux_known_adapters", "Adapters the server can serve (resident or evicted).", s["known"]),
             ("loramux_requests_in_flight", "Generation requests accepted and not finished (at most "
              "--parallel + --max-queue; more get 429).", s.get("in_flight", 0)),
+            ("loramux_slot_wait_p50_seconds", "Median wait of recent banked requests for bank slots.",
+             s.get("slot_wait_p50_s", 0.0)),
+            ("loramux_slot_wait_p99_seconds", "99th percentile wait of recent banked requests for bank slots "
+             "(bounded: see docs/scaling.md).", s.get("slot_wait_p99_s", 0.0)),
         ):
             yield GaugeMetricFamily(name, doc, value=value)
         info = GaugeMetricFamily("vllm:lora_requests_info", "Adapter state; value: time of this update.",

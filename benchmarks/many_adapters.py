@@ -1,0 +1,298 @@
+"""Serving many adapters: 1 to 256 distinct adapters over 8 streams, loramux serve vs llama-server.
+
+Both servers run as subprocesses on 127.0.0.1 with the same model, threads and parallel slots and
+the same N rank-r adapters over every projection (loramux: `--lora` each, default bank sizing;
+llama-server: `--lora` with all of them, each request naming its adapter in `lora`). A load
+generator keeps `--parallel` streaming requests in flight; each picks its adapter uniformly or by a
+Zipf law (p_k ∝ 1/(k+1)^s) from a seeded generator, so both servers get the same sequence.
+Reported per cell: aggregate generated tokens/s, p50/p99 request latency, p50/p99 time to first
+token, and for loramux its slot wait p99 (from /metrics) and the server's RSS before and after.
+
+Target (issue 21): loramux with 64 adapters ≥ 0.8× its own one-adapter throughput.
+
+    python benchmarks/many_adapters.py                      # needs benchmarks/build_peers.sh
+    python benchmarks/many_adapters.py --counts 1,4,16 --no-llama-server --requests 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+from _common import (
+    REPO_ROOT,
+    common_args,
+    dump_json,
+    machine_info,
+    model_path,
+    peer_binary,
+    print_machine,
+    print_table,
+    projection_shapes,
+    random_factors,
+)
+from serve import Server
+
+from loramux.gguf_io import read_header, write_adapter
+
+
+def adapter_sequence(n_adapters: int, n_requests: int, dist: str, s: float, seed: int) -> list[int]:
+    """Which adapter each request uses: uniform, or Zipf with exponent s over adapter ranks."""
+    rng = np.random.default_rng(seed)
+    if dist == "uniform":
+        return [int(x) for x in rng.integers(0, n_adapters, n_requests)]
+    p = 1.0 / np.arange(1, n_adapters + 1) ** s
+    return [int(x) for x in rng.choice(n_adapters, n_requests, p=p / p.sum())]
+
+
+def rss_mb(pid: int) -> float:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
+
+
+def one_request(srv: Server, i: int, adapter: int, n_tokens: int) -> tuple[float, float, int]:
+    """(latency, time to first token, generated tokens) of one streaming request."""
+    body = {**srv.body(i, adapter, n_tokens), "stream": True}
+    t0 = time.perf_counter()
+    ttft, n = float("nan"), 0
+    with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=900) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            choice = (chunk.get("choices") or [{}])[0]
+            if choice.get("text") and ttft != ttft:
+                ttft = time.perf_counter() - t0
+            if choice.get("finish_reason") == "length":
+                n = n_tokens  # ignore_eos + max_tokens: exactly n_tokens were generated
+    return time.perf_counter() - t0, ttft, n
+
+
+def run_cell(srv: Server, seq: list[int], parallel: int, n_tokens: int) -> dict[str, float]:
+    with ThreadPoolExecutor(parallel) as ex:
+        list(ex.map(lambda i: one_request(srv, i, seq[i % len(seq)], 4), range(parallel)))  # warm-up
+        t0 = time.perf_counter()
+        res = list(ex.map(lambda i: one_request(srv, i, seq[i], n_tokens), range(len(seq))))
+        wall = time.perf_counter() - t0
+    lat = sorted(x for x, _, _ in res)
+    ttft = sorted(x for _, x, _ in res if x == x)
+
+    def q(xs: list[float], p: float) -> float:
+        return xs[min(len(xs) - 1, int(p * len(xs)))] if xs else float("nan")
+    return {"tok_s": sum(n for _, _, n in res) / wall, "p50": q(lat, 0.5), "p99": q(lat, 0.99),
+            "ttft_p50": q(ttft, 0.5), "ttft_p99": q(ttft, 0.99), "wall": wall,
+            "distinct": len(set(seq))}
+
+
+def slot_wait_p99(srv: Server) -> float:
+    try:
+        text = httpx.get(srv.url + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return float("nan")
+    for line in text.splitlines():
+        if line.startswith("loramux_slot_wait_p99_seconds "):
+            return float(line.split()[1])
+    return float("nan")
+
+
+def write_adapters(work: Path, model: Path, n: int, rank: int) -> list[str]:
+    shapes = projection_shapes(model)
+    arch = read_header(model).architecture or "?"
+    out = []
+    for k in range(n):
+        p = work / f"a{k}.gguf"
+        if not p.exists():  # F16 files (half the disk); alpha = rank so llama.cpp's alpha/rank is 1
+            write_adapter(p, arch, random_factors(shapes, rank, 100 + k), float(rank), dtype="f16")
+        out.append(str(p))
+    return out
+
+
+def bench_system(label: str, argv: list[str], kind: str, adapters: list[str], args: argparse.Namespace
+                 ) -> dict[str, Any]:
+    try:
+        srv = Server(argv, kind, adapters)
+    except SystemExit as e:  # e.g. llama-server refusing this many adapters
+        print(f"{label} with {len(adapters)} adapters did not start: {e}", file=sys.stderr)
+        return {"failed": str(e)}
+    out: dict[str, Any] = {"startup_s": srv.startup, "rss_start_mb": rss_mb(srv.proc.pid)}
+    try:
+        for dist in args.dists:
+            runs = []
+            for rep in range(max(1, args.repeats)):
+                seq = adapter_sequence(len(adapters), args.requests, dist, args.zipf_s, seed=7 + rep)
+                runs.append(run_cell(srv, seq, args.parallel, args.tokens))
+            runs.sort(key=lambda r: r["tok_s"])
+            out[dist] = {**runs[(len(runs) - 1) // 2], "all_tok_s": [r["tok_s"] for r in runs]}
+            if kind == "loramux":
+                out[dist]["slot_wait_p99"] = slot_wait_p99(srv)
+            print(f"{label}, {len(adapters)} adapters, {dist}: {out[dist]['tok_s']:.1f} tok/s", file=sys.stderr)
+        out["rss_end_mb"] = rss_mb(srv.proc.pid)
+    finally:
+        srv.close()
+    return out
+
+
+def slot_loads(model: Path, work: Path, ranks: list[int], threads: int, repeats: int) -> list[list[str]]:
+    """In one process: a slot write of a loaded adapter prepared from scratch (read back, pad, scale,
+    check, copy) against one from the warm tier (the copy alone), per adapter rank; median and p90 ms."""
+    from loramux.engine.runtime import Engine
+
+    rows = []
+    for rank in ranks:
+        files = [work / f"slot-r{rank}-{k}.gguf" for k in range(2)]
+        shapes, arch = projection_shapes(model), read_header(model).architecture or "?"
+        for k, p in enumerate(files):
+            if not p.exists():
+                write_adapter(p, arch, random_factors(shapes, rank, 900 + k), float(rank), dtype="f32")
+        with Engine.load(model, n_ctx=256, n_parallel=1, n_threads=threads, slots=1, slot_rank=rank) as eng:
+            ads = [eng.load_lora(str(p), name=p.stem) for p in files]
+            cold = eng.call(lambda ads=ads: _time_slot_loads(eng.bank, ads, repeats, warm=False))
+            warm = eng.call(lambda ads=ads: _time_slot_loads(eng.bank, ads, repeats, warm=True))
+            size = eng.bank.prepare(ads[0]).nbytes
+        rows.append([str(rank), f"{size / 1e6:.1f}", f"{cold[len(cold) // 2]:.2f}", f"{warm[len(warm) // 2]:.2f}",
+                     f"{warm[int(0.9 * len(warm))]:.2f}", f"{cold[len(cold) // 2] / warm[len(warm) // 2]:.1f}×"])
+    return rows
+
+
+def _time_slot_loads(bank: Any, ads: list[Any], repeats: int, warm: bool) -> list[float]:
+    """ms of each slot load: one slot, two adapters taking turns, so every acquire writes the slot."""
+    out = []
+    for i in range(repeats):
+        a = ads[i % 2]
+        if not warm:
+            bank.warm.discard(a)
+        t0 = time.perf_counter()
+        k = bank.acquire(a)
+        out.append((time.perf_counter() - t0) * 1000)
+        bank.release(k)
+    return sorted(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common_args(ap, repeats=1)
+    ap.add_argument("--counts", default="1,4,16,64,256", help="numbers of distinct adapters (default 1,4,16,64,256)")
+    ap.add_argument("--dists", default="uniform,zipf", help="request distributions (default uniform,zipf)")
+    ap.add_argument("--zipf-s", type=float, default=1.0, help="Zipf exponent (default 1.0)")
+    ap.add_argument("--parallel", type=int, default=8, help="server slots and requests in flight (default 8)")
+    ap.add_argument("--requests", type=int, default=32, help="requests per cell (default 32)")
+    ap.add_argument("--tokens", type=int, default=32, help="generated tokens per request (default 32)")
+    ap.add_argument("--rank", type=int, default=8, help="adapter rank (default 8)")
+    ap.add_argument("--no-llama-server", action="store_true", help="skip the llama-server peer")
+    ap.add_argument("--plot", default=str(REPO_ROOT / "benchmarks" / "results" / "many_adapters.png"),
+                    help="where to write the throughput plot ('' = none)")
+    ap.add_argument("--slot-loads", action="store_true",
+                    help="only time slot loads from the loaded and the warm tier (in process), then exit")
+    args = ap.parse_args()
+    if args.slot_loads:
+        work = Path(args.work_dir or tempfile.mkdtemp(prefix="loramux-many-"))
+        work.mkdir(parents=True, exist_ok=True)
+        print_machine(machine_info(args.threads))
+        rows = slot_loads(model_path(args.model), work, [8, 16], args.threads, max(20, args.repeats))
+        print_table("slot load of one adapter over all 126 projections (ms; F32 bank, slot rank = adapter rank)",
+                    ["rank", "warm blocks (MB)", "prepared (loaded tier)", "from warm, median", "from warm, p90",
+                     "speed-up"], rows)
+        return
+    args.dists = [d for d in args.dists.split(",") if d]
+    counts = [int(c) for c in args.counts.split(",") if c]
+    model = model_path(args.model)
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="loramux-many-"))
+    work.mkdir(parents=True, exist_ok=True)
+    all_adapters = write_adapters(work, model, max(counts), args.rank)
+    info = machine_info(args.threads)
+    print_machine(info)
+    common = ["--n-ctx", "512", "--threads", str(args.threads), "--parallel", str(args.parallel)]
+    results: dict[str, dict[int, Any]] = {"loramux": {}, "llama-server": {}}
+    for n in counts:
+        ads = all_adapters[:n]
+        lm = [sys.executable, "-m", "loramux", "serve", str(model), *common, "--public-metrics",
+              *[x for k, a in enumerate(ads) for x in ("--lora", f"a{k}={a}")]]
+        results["loramux"][n] = bench_system("loramux", lm, "loramux", ads, args)
+        if not args.no_llama_server:
+            ls = [str(peer_binary("llama-server")), "-m", str(model), "-t", str(args.threads), "-np",
+                  str(args.parallel), "-c", str(512 * args.parallel), "--no-webui", "--lora", ",".join(ads)]
+            results["llama-server"][n] = bench_system("llama-server", ls, "llama-server", ads, args)
+    report(results, counts, args)
+    if args.plot:
+        plot(results, counts, args, Path(args.plot))
+    dump_json(args.json, {"machine": info, "results": results, "args": vars(args)})
+
+
+def _cell(r: dict[str, Any] | None, dist: str) -> dict[str, Any] | None:
+    return r.get(dist) if r and "failed" not in r else None
+
+
+def report(results: dict[str, dict[int, Any]], counts: list[int], args: argparse.Namespace) -> None:
+    for dist in args.dists:
+        one = _cell(results["loramux"].get(counts[0]), dist)
+        rows = []
+        for n in counts:
+            lm, ls = _cell(results["loramux"].get(n), dist), _cell(results["llama-server"].get(n), dist)
+            rows.append([str(n), f"{lm['tok_s']:.1f}" if lm else "-",
+                         f"{lm['tok_s'] / one['tok_s']:.2f}" if lm and one else "-",
+                         f"{ls['tok_s']:.1f}" if ls else "-",
+                         f"{lm['tok_s'] / ls['tok_s']:.2f}×" if lm and ls else "-",
+                         f"{lm['p50']:.2f} / {lm['p99']:.2f}" if lm else "-",
+                         f"{ls['p50']:.2f} / {ls['p99']:.2f}" if ls else "-",
+                         f"{lm['ttft_p50']:.2f} / {lm['ttft_p99']:.2f}" if lm else "-",
+                         f"{ls['ttft_p50']:.2f} / {ls['ttft_p99']:.2f}" if ls else "-",
+                         f"{lm['slot_wait_p99'] * 1000:.0f} ms" if lm and lm.get("slot_wait_p99") == lm.get(
+                             "slot_wait_p99") else "-"])
+        print_table(f"{dist} requests{f' (s = {args.zipf_s:g})' if dist == 'zipf' else ''}: {args.parallel} "
+                    f"streams, {args.requests} requests × {args.tokens} tokens, {args.threads} threads, "
+                    f"rank-{args.rank} adapters (aggregate tokens/s; latency and TTFT p50 / p99 in s)",
+                    ["adapters", "loramux", "vs its 1 adapter", "llama-server", "loramux / llama-server",
+                     "loramux latency", "llama-server latency", "loramux TTFT", "llama-server TTFT",
+                     "loramux slot wait p99"], rows)
+    rows = []
+    for n in counts:
+        lm, ls = results["loramux"].get(n) or {}, results["llama-server"].get(n) or {}
+        rows.append([str(n), f"{lm.get('rss_start_mb', float('nan')):.0f}", f"{lm.get('rss_end_mb', float('nan')):.0f}",
+                     f"{ls.get('rss_start_mb', float('nan')):.0f}" if ls else "-",
+                     f"{ls.get('rss_end_mb', float('nan')):.0f}" if ls else "-"])
+    print_table("server RSS (MB): after start with N adapters loaded, and after the runs",
+                ["adapters", "loramux start", "loramux end", "llama-server start", "llama-server end"], rows)
+
+
+def plot(results: dict[str, dict[int, Any]], counts: list[int], args: argparse.Namespace, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for system, style in (("loramux", "-o"), ("llama-server", "--s")):
+        for dist in args.dists:
+            pts = [(n, c["tok_s"]) for n in counts if (c := _cell(results[system].get(n), dist))]
+            if pts:
+                ax.plot(*zip(*pts), style, label=f"{system}, {dist}")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(counts, [str(c) for c in counts])
+    ax.set_xlabel("distinct adapters")
+    ax.set_ylabel("aggregate generated tokens/s")
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"{args.parallel} streams, rank-{args.rank} adapters, {args.threads} threads")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"\nplot written to {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,228 @@
+"""Residency tiers of the slot bank: the warm cache (bounded LRU), slot loads from it, prefetch, no starvation."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+from tinymodel import random_factors
+
+import loramux as lm
+from loramux import _native as N
+from loramux.engine.residency import Prefetcher, SlotBlocks, WarmCache
+from loramux.errors import ParameterError
+from loramux.gguf_io import write_adapter
+
+PROMPTS = ["the cat sat on the mat", "a dog ran in the big red", "hello world it was", "we and you and she"]
+
+
+@dataclass
+class _Id:
+    """What the warm cache reads of an adapter: its identity and content version."""
+
+    uid: int
+    version: int = 0
+    name: str = "x"
+
+
+def _blocks(uid: int, version: int = 0, nbytes: int = 1000) -> SlotBlocks:
+    return SlotBlocks(uid, version, f"a{uid}", {"t": (np.zeros(nbytes // 4, np.float32)[None], np.zeros((1, 0)))})
+
+
+def test_warm_cache_is_an_lru_bounded_by_bytes():
+    c = WarmCache(max_bytes=3000)
+    for uid in (1, 2, 3):
+        c.put(_blocks(uid))
+    assert c.bytes == 3000 and c.names() == ["a1", "a2", "a3"]
+    assert c.get(_Id(1)) is not None  # now the most recent
+    c.put(_blocks(4))
+    assert c.names() == ["a3", "a1", "a4"] and c.bytes == 3000 and c.stats["evictions"] == 1
+    assert c.get(_Id(2)) is None  # evicted: least recently used
+    c.put(_blocks(5, nbytes=4000))  # larger than the whole budget: not kept, nothing evicted for it
+    assert c.names() == ["a3", "a1", "a4"] and c.stats["too_large"] == 1
+    c.discard(_Id(3))
+    assert c.names() == ["a1", "a4"] and c.bytes == 2000 and len(c) == 2
+
+
+def test_warm_cache_never_serves_a_stale_version():
+    c = WarmCache(max_bytes=10_000)
+    c.put(_blocks(1, version=0))
+    assert c.get(_Id(1, version=1)) is None  # an in-place write made version 1: the blocks are stale
+    c.put(_blocks(1, version=2))
+    c.put(_blocks(1, version=1))  # a prefetch of version 1 finishing after version 2 was prepared
+    got = c.get(_Id(1, version=2))
+    assert got is not None and got.version == 2 and c.bytes == 1000
+
+
+def test_warm_cache_and_engine_options_refuse_a_negative_budget():
+    with pytest.raises(ParameterError, match="adapter_cache_bytes"):
+        WarmCache(-1)
+    with pytest.raises(ParameterError, match="adapter_cache_bytes"):
+        lm.EngineOptions(adapter_cache_bytes=-1)
+
+
+def test_prefetch_queue_is_bounded_and_never_blocks(monkeypatch):
+    import loramux.engine.residency as R
+
+    monkeypatch.setattr(R, "PREFETCH_QUEUE_MAX", 2)
+    gate = threading.Event()
+
+    def prepare(a):
+        gate.wait(10)
+        return _blocks(a.uid)
+    p = Prefetcher(WarmCache(10_000), prepare)
+    took = [p.submit(_Id(i)) for i in range(6)]  # the worker holds one, the queue two, the rest are dropped
+    assert took[:2] == [True, True] and not all(took) and p.stats["dropped"] >= 3
+    assert not p.submit(_Id(0))  # queued already
+    gate.set()
+    deadline = time.monotonic() + 10
+    while not p.idle():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert p.cache.get(_Id(0)) is not None and not p.submit(_Id(0))  # warm now: nothing to do
+    p.close()
+
+
+def _slot_contents(bank, k):
+    """Slot k of every target as (A rows, B columns), read back through llama.cpp."""
+    out = {}
+    for t in bank.targets:
+        f = bank._facs[t]
+        a = N.tensor_get(f.a, np.empty((bank.width, f.a_shape[1]), np.float32))
+        b = N.tensor_get(f.b, np.empty((f.b_shape[0], bank.width), np.float32))
+        out[t] = (a[k * bank.r:(k + 1) * bank.r].copy(), b[:, k * bank.r:(k + 1) * bank.r].copy())
+    return out
+
+
+def _expected(bank, adapter):
+    """What slot holds for an adapter: its factors zero-padded to the slot rank, B times alpha/rank."""
+    facs = adapter.all_factors()
+    out = {}
+    for t in bank.targets:
+        f = bank._facs[t]
+        a, b = np.zeros((bank.r, f.a_shape[1]), np.float32), np.zeros((f.b_shape[0], bank.r), np.float32)
+        if t in facs:
+            fa, fb = facs[t]
+            a[:fa.shape[0]] = fa
+            b[:, :fa.shape[0]] = fb * np.float32(adapter.tensor_scaling(t))
+        out[t] = (a, b)
+    return out
+
+
+@pytest.fixture()
+def three_ranks(tiny_model, tmp_path):
+    """One slot of rank 4 and adapters of rank 4, 2 (on fewer targets) and 3."""
+    files = [write_adapter(tmp_path / "r4.gguf", "llama", random_factors(rank=4, seed=1, scale=0.4), 4.0),
+             write_adapter(tmp_path / "r2.gguf", "llama",
+                           random_factors(rank=2, seed=2, scale=0.4, targets=("blk.0.attn_q.weight", "blk.1.ffn_up.weight")), 4.0),
+             write_adapter(tmp_path / "r3.gguf", "llama", random_factors(rank=3, seed=3, scale=0.4), 3.0)]
+    eng = lm.Engine.load(tiny_model, n_ctx=64, n_parallel=1, n_threads=1, slots=1, slot_rank=4,
+                         loras=[lm.LoraSpec(str(p), 0.0, name=p.stem) for p in files])
+    yield eng
+    eng.close()
+
+
+def test_slot_loads_from_warm_hold_exactly_the_adapters_factors(three_ranks):
+    """Adapters of falling and rising rank through one slot, each written from warm blocks the second
+    time: the slot holds exactly the padded factors each time (a narrower adapter leaves no trace of
+    the wider one before it)."""
+    eng = three_ranks
+    bank = eng.bank
+    names = ["r4", "r2", "r3", "r4", "r2", "r3"]
+    for i, name in enumerate(names):
+        a = eng.adapter(name)
+        hits = bank.warm.stats["hits"]
+
+        def write(a=a):
+            assert bank.acquire(a) == 0
+            bank.release(0)
+            return _slot_contents(bank, 0), _expected(bank, a)
+        got, want = eng.call(write)
+        assert bank.warm.stats["hits"] == hits + (i >= 3)  # the second round comes from the warm tier
+        for t in bank.targets:
+            assert np.array_equal(got[t][0], want[t][0]) and np.array_equal(got[t][1], want[t][1]), (name, t)
+    assert bank.writes == len(names)
+
+
+def test_an_in_place_write_is_not_served_from_stale_warm_blocks(three_ranks):
+    eng = three_ranks
+    bank, a = eng.bank, eng.adapter("r4")
+    eng.call(lambda: (bank.acquire(a), bank.release(0)))
+    eng.call(lambda: (bank.acquire(eng.adapter("r3")), bank.release(0)))  # r4 leaves the slot, stays warm
+    assert bank.warm.has(a)
+    t = bank.targets[0]
+    fa, fb = a.get_factors(t)
+    a.set_factors(t, fa * 2, fb)  # a new version
+    assert not bank.warm.has(a)
+    got, want = eng.call(lambda: (bank.acquire(a), bank.release(0), _slot_contents(bank, 0), _expected(bank, a))[2:])
+    assert np.array_equal(got[t][0], want[t][0]) and np.array_equal(got[t][0][:4], fa * 2)
+
+
+def test_adapters_of_queued_requests_are_prefetched_into_the_warm_tier(three_ranks):
+    eng = three_ranks
+    bank = eng.bank
+    toks = eng.tokenize(PROMPTS[0])
+    first = eng.stream(toks, loras={"r4": 1.0}, max_tokens=30, ignore_eos=True)
+    queued = [eng.stream(toks, loras={n: 1.0}, max_tokens=2, ignore_eos=True) for n in ("r2", "r3")]
+    deadline = time.monotonic() + 60
+    while not (bank.warm.has(eng.adapter("r2")) and bank.warm.has(eng.adapter("r3"))):
+        assert time.monotonic() < deadline, "queued requests' adapters were not prefetched"
+        time.sleep(0.005)
+    assert len(first.request.generated) < 30  # made warm while the first request still ran
+    for s in [first, *queued]:
+        s.consume()
+    assert bank.prefetcher.stats["prefetched"] >= 2 and bank.warm.stats["hits"] >= 2
+
+
+def test_no_adapter_starves_behind_a_stream_of_requests_on_a_resident_one(tiny_model, tmp_path):
+    """One slot, two sequences: requests on adapter A keep its slot busy; a request on B, queued
+    behind the first, gets the slot within a bounded number of steps instead of after all of A's."""
+    files = [write_adapter(tmp_path / f"{n}.gguf", "llama", random_factors(rank=2, seed=i, scale=0.3), 2.0)
+             for i, n in enumerate("AB")]
+    finished: list[str] = []
+    with lm.Engine.load(tiny_model, n_ctx=128, n_parallel=2, n_threads=1, slots=1, slot_rank=2,
+                        loras=[lm.LoraSpec(str(p), 0.0, name=p.stem) for p in files]) as eng:
+        toks = eng.tokenize(PROMPTS[1])
+
+        def submit(name, label):
+            return eng.submit(toks, loras={name: 1.0}, max_tokens=40, ignore_eos=True,
+                              on_event=lambda kind, _v: kind == "done" and finished.append(label))
+        reqs = [submit("A", "A0"), submit("B", "B")] + [submit("A", f"A{i}") for i in range(1, 9)]
+        for r in reqs:
+            lm.TextStream(r).consume()
+        waits = eng.scheduler.slot_wait_quantiles()
+    assert finished.index("B") < 5, finished  # before: B came last, after every A
+    assert waits["slot_wait_max_s"] > 0 and waits["slot_wait_p99_s"] <= waits["slot_wait_max_s"]
+
+
+def _one_adapter_run(tiny_model, files, monkeypatch, park: bool):
+    from loramux.engine.bank import SlotBank
+
+    if not park:  # the reference: masks on every decode
+        monkeypatch.setattr(SlotBank, "_stop_free", lambda self, scales: False)
+    with lm.Engine.load(tiny_model, n_ctx=128, n_parallel=2, n_threads=1, slots=2, slot_rank=4, kv_type="f32",
+                        loras=[lm.LoraSpec(str(p), 0.0, name=p.stem) for p in files]) as eng:
+        toks = eng.tokenize(PROMPTS[2])
+        b1 = eng.generate(toks, loras={"B": 1.0}, max_tokens=4, ignore_eos=True).tokens  # B takes a slot
+        hits = eng.bank.warm.stats["hits"]
+        a = [eng.generate(toks, loras={"A": 1.0}, max_tokens=30, ignore_eos=True).tokens for _ in range(2)]
+        b2 = eng.generate(toks, loras={"B": 1.0}, max_tokens=4, ignore_eos=True).tokens
+        return {"tokens": (b1, a, b2), "stop_free": eng.bank.stop_free_decodes, "parked": eng.bank.parked,
+                "warm_hits": eng.bank.warm.stats["hits"] - hits}
+
+
+def test_one_adapter_decodes_skip_the_masks_once_idle_slots_are_parked(tiny_model, tmp_path, monkeypatch):
+    """A stretch of decodes on one adapter parks the idle slot (zeroes it; its adapter stays warm) and
+    then runs without any mask: the same tokens as with masks on every decode, and the parked adapter
+    comes back from the warm tier."""
+    files = [write_adapter(tmp_path / f"{n}.gguf", "llama", random_factors(rank=4, seed=40 + i, scale=0.5), 4.0)
+             for i, n in enumerate("AB")]
+    parked = _one_adapter_run(tiny_model, files, monkeypatch, park=True)
+    masked = _one_adapter_run(tiny_model, files, monkeypatch, park=False)
+    assert masked["parked"] == 0 and masked["stop_free"] == 0
+    assert parked["parked"] == 1 and parked["stop_free"] > 40 and parked["warm_hits"] == 1
+    assert parked["tokens"] == masked["tokens"]
+    assert parked["tokens"][1][0] != parked["tokens"][0][:30]  # the adapters make a difference
