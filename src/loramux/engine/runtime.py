@@ -8,16 +8,15 @@ through a command queue (`Engine.call`) or submit generation requests that it ba
 from __future__ import annotations
 
 import contextlib
-import enum
 import logging
 import os
 import queue
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -35,52 +34,13 @@ from .model import Context, ContextOptions, Model, default_threads
 from .options import EngineOptions
 from .registry import AdapterSet, LoraArg, Registry, check_scale
 from .sampling import Completion, SamplingParams
-from .scheduler import Phase, Request, Scheduler
+from .scheduler import Request, Scheduler, alora_phases
 from .scoring import Scoring, TokenLogprob, score_many
+from .specs import ControlArg, Inherit, LoraSpec, adapter_name
+from .streams import TextStream
 
 T = TypeVar("T")
 log = logging.getLogger("loramux")
-
-
-class Inherit(enum.Enum):
-    """A request's control vector when it names none: the engine's own default setting."""
-
-    ENGINE = "engine"
-
-
-ControlArg = ControlSetting | None | Literal[Inherit.ENGINE]
-"""A request's control vector: a setting, None (no vector), or `Inherit.ENGINE` (the engine's)."""
-
-
-@dataclass(frozen=True)
-class LoraSpec:
-    """An adapter to load: a source (path, URL, hf://), a scale and an optional name."""
-
-    source: str
-    scale: float = 1.0
-    name: str | None = None
-
-    @classmethod
-    def parse(cls, text: str) -> LoraSpec:
-        """`[NAME=]SRC[:SCALE]` as the CLI takes it (a ':' suffix counts only if it is a number)."""
-        name = None
-        if "=" in text.split("/", 1)[0] and not text.startswith(("http://", "https://", "hf://")):
-            name, text = text.split("=", 1)
-        scale = 1.0
-        head, sep, tail = text.rpartition(":")
-        if sep and head:
-            try:
-                scale = float(tail)
-                text = head
-            except ValueError:
-                pass
-        return cls(text, scale, name)
-
-
-def adapter_name(source: str) -> str:
-    """Default adapter name: the file name without .gguf (``hf://o/r/style.gguf@v1`` → ``style``)."""
-    base = source.split("#", 1)[0].rstrip("/").rsplit("/", 1)[-1].split("@", 1)[0]
-    return base[:-5] if base.endswith(".gguf") else base
 
 
 class Engine:
@@ -441,7 +401,7 @@ class Engine:
         def build() -> Request:
             aset = self.registry.adapter_set(loras)
             cv = self.control if control is Inherit.ENGINE else control
-            phases, alora = _phases(aset, cv, tokens)
+            phases, alora = alora_phases(aset, cv, tokens)
             req = Request(tokens, params, phases, alora, on_event=on_event, grammar=grammar,
                           scoring=Scoring.wanted(params.prompt_logprobs, params.logprobs), share=share)
             for a, _ in aset.items:
@@ -593,39 +553,6 @@ class Engine:
         self.close()
 
 
-class TextStream(Iterator[str]):
-    """Iterator over a request's text chunks; `.completion` holds the result once exhausted."""
-
-    def __init__(self, request: Request) -> None:
-        self.request = request
-        self.completion: Completion | None = None
-
-    def __next__(self) -> str:
-        if self.completion is not None:
-            raise StopIteration
-        kind, value = self.request.events.get()
-        while kind in ("logprobs", "prompt_logprobs"):  # scores also arrive in the Completion
-            kind, value = self.request.events.get()
-        if kind == "text":
-            return value
-        if kind == "error":
-            raise value
-        self.completion = value
-        raise StopIteration
-
-    def consume(self) -> Completion:
-        for _ in self:
-            pass
-        assert self.completion is not None
-        return self.completion
-
-    def cancel(self) -> None:
-        """Stop generating; the completion ends with finish_reason 'cancelled'."""
-        self.request.cancelled.set()
-
-    def close(self) -> None:
-        self.cancel()
-
 
 def _check_deterministic(model: Model | None, flash_attn: bool, kv_unified: bool) -> None:
     """Refuse settings that make a sequence's arithmetic depend on its batch."""
@@ -643,35 +570,6 @@ def _check_deterministic(model: Model | None, flash_attn: bool, kv_unified: bool
                              hint="use Engine.load(..., deterministic=True), which sets all of this up")
 
 
-def _phases(aset: AdapterSet, cv: ControlSetting | None, tokens: list[int]) -> tuple[list[Phase], dict[str, bool]]:
-    """aLoRA rule: an adapter with invocation tokens applies from the last occurrence of its sequence on."""
-    aloras = aset.aloras
-    if not aloras:
-        return [Phase(aset, cv, 0)], {}
-    found: dict[str, bool] = {}
-    starts = []
-    for a in aloras:
-        pos = _last_occurrence(tokens, list(a.invocation_tokens))
-        found[a.name] = pos is not None
-        if pos is not None:
-            starts.append(pos)
-    base = aset.without_alora()
-    active = AdapterSet(tuple((a, s) for a, s in aset.items if not a.is_alora or found[a.name]))
-    if not starts:
-        return [Phase(base, cv, 0)], found
-    start = min(starts)  # several aLoRAs: all switch on at the earliest invocation (documented)
-    if start == 0:
-        return [Phase(active, cv, 0)], found
-    return [Phase(base, cv, 0), Phase(active, cv, start)], found
-
-
-def _last_occurrence(seq: list[int], sub: list[int]) -> int | None:
-    n = len(sub)
-    for i in range(len(seq) - n, -1, -1):
-        if seq[i:i + n] == sub:
-            return i
-    return None
-
 
 def _resolve(src: str, **options: Any) -> Path:
     p = Path(src).expanduser()
@@ -680,4 +578,5 @@ def _resolve(src: str, **options: Any) -> Path:
     return Path(resolve(src, **options))
 
 
+# LoraSpec, adapter_name, Inherit, ControlArg (specs.py) and TextStream (streams.py) stay importable from here.
 __all__ = ["ControlArg", "Engine", "Inherit", "LoraSpec", "TextStream"]

@@ -22,6 +22,7 @@ from typing import Any
 from .. import _native as N
 from ..errors import BackendError, LoramuxError, RequestFailed
 from .bank import SlotBank
+from .control import ControlSetting
 from .grammar import ActiveGrammar
 from .model import Context, Model
 from .registry import AdapterSet
@@ -527,4 +528,34 @@ def _sampler_args(p: SamplingParams) -> dict[str, Any]:
             "frequency_penalty": p.frequency_penalty, "presence_penalty": p.presence_penalty, "seed": p.seed}
 
 
-__all__ = ["Phase", "Request", "Scheduler", "BackendError"]
+def alora_phases(aset: AdapterSet, cv: ControlSetting | None, tokens: list[int]) -> tuple[list[Phase], dict[str, bool]]:
+    """aLoRA rule: an adapter with invocation tokens applies from the last occurrence of its sequence on."""
+    aloras = aset.aloras
+    if not aloras:
+        return [Phase(aset, cv, 0)], {}
+    found: dict[str, bool] = {}
+    starts = []
+    for a in aloras:
+        pos = _last_occurrence(tokens, list(a.invocation_tokens))
+        found[a.name] = pos is not None
+        if pos is not None:
+            starts.append(pos)
+    base = aset.without_alora()
+    active = AdapterSet(tuple((a, s) for a, s in aset.items if not a.is_alora or found[a.name]))
+    if not starts:
+        return [Phase(base, cv, 0)], found
+    start = min(starts)  # several aLoRAs: all switch on at the earliest invocation (documented)
+    if start == 0:
+        return [Phase(active, cv, 0)], found
+    return [Phase(base, cv, 0), Phase(active, cv, start)], found
+
+
+def _last_occurrence(seq: list[int], sub: list[int]) -> int | None:
+    n = len(sub)
+    for i in range(len(seq) - n, -1, -1):
+        if seq[i:i + n] == sub:
+            return i
+    return None
+
+
+__all__ = ["Phase", "Request", "Scheduler", "BackendError", "alora_phases"]

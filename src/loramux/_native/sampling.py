@@ -1,0 +1,180 @@
+"""Sampling: llama.cpp's sampler chain (`SamplerHandle`, penalties), the lazy GBNF grammar sampler
+(`GrammarHandle`), `sampler_accept`, and the binding's JSON-schema → GBNF converter re-exported so the
+engine reaches the binding through this package only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import numpy as np
+
+from ..errors import BackendError
+from .handles import ContextHandle, Handle, ModelHandle
+from .lib import C, grammar_log
+
+# --------------------------------------------------------------------------------------------
+# Samplers
+# --------------------------------------------------------------------------------------------
+
+class SamplerHandle(Handle):
+    """llama.cpp's sampler chain: penalties → top_k → top_p → min_p → temperature → dist (or greedy)."""
+
+    _free = staticmethod(C.llama_sampler_free)
+
+    @classmethod
+    def chain(cls, model: ModelHandle, *, temperature: float, top_k: int, top_p: float, min_p: float,
+              repeat_penalty: float, repeat_last_n: int, frequency_penalty: float, presence_penalty: float,
+              seed: int) -> SamplerHandle:
+        ch = C.llama_sampler_chain_init(C.llama_sampler_chain_default_params())
+        h = cls(ch)
+        add = lambda s: C.llama_sampler_chain_add(ch, s)  # noqa: E731 - the chain owns each sampler
+        if repeat_penalty != 1.0 or frequency_penalty or presence_penalty:
+            add(_penalties(model, repeat_last_n, repeat_penalty, frequency_penalty, presence_penalty))
+        if temperature <= 0:
+            add(C.llama_sampler_init_greedy())
+            return h
+        if top_k > 0:
+            add(C.llama_sampler_init_top_k(top_k))
+        if top_p < 1.0:
+            add(C.llama_sampler_init_top_p(top_p, 1))
+        if min_p > 0:
+            add(C.llama_sampler_init_min_p(min_p, 1))
+        add(C.llama_sampler_init_temp(temperature))
+        add(C.llama_sampler_init_dist(seed & 0xFFFFFFFF))
+        return h
+
+    def sample(self, ctx: ContextHandle, idx: int) -> int:
+        return int(C.llama_sampler_sample(self.ptr, ctx.ptr, idx))
+
+    def accept(self, token: int) -> None:
+        C.llama_sampler_accept(self.ptr, token)
+
+
+def _penalties(model: ModelHandle, last_n: int, repeat: float, freq: float, present: float) -> Any:
+    argtypes = getattr(C.llama_sampler_init_penalties, "argtypes", None) or []
+    if len(argtypes) == 5:  # some bindings take n_vocab first
+        return C.llama_sampler_init_penalties(model.n_vocab, last_n, repeat, freq, present)
+    return C.llama_sampler_init_penalties(last_n, repeat, freq, present)
+
+
+# --------------------------------------------------------------------------------------------
+# Grammar-constrained sampling (structured output, tool calls)
+# --------------------------------------------------------------------------------------------
+
+GREEDY_SCAN = 64  # greedy: allowed-token checks before a full grammar pass over the vocabulary
+_TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)], align=True)
+
+
+class GrammarHandle(Handle):
+    """One request's GBNF grammar sampler (`llama_sampler_init_grammar`), used the lazy way llama-server's
+    common sampler uses it: the unconstrained choice is checked against the grammar first (one candidate),
+    and only a rejected choice pays for a pass of the grammar over the whole vocabulary."""
+
+    _free = staticmethod(C.llama_sampler_free)
+    #: False: mask the whole vocabulary for every token (the reference the lazy checks must equal)
+    lazy = True
+
+    @classmethod
+    def create(cls, model: ModelHandle, gbnf: str, root: str = "root") -> GrammarHandle:
+        """Parse `gbnf`; a grammar llama.cpp refuses raises BackendError with llama.cpp's own messages."""
+        grammar_log.lines = []
+        try:
+            ptr = C.llama_sampler_init_grammar(model.vocab, gbnf.encode("utf-8"), root.encode("utf-8"))
+            lines = list(grammar_log.lines)
+        finally:
+            grammar_log.lines = None
+        if not ptr:
+            raise BackendError("llama_sampler_init_grammar", None,
+                               " ".join(" ".join(lines).split()) or "the grammar does not parse")
+        return cls(ptr, model.n_vocab)
+
+    def __init__(self, ptr: Any, n_vocab: int) -> None:
+        super().__init__(ptr)
+        self.n_vocab = n_vocab
+        self._one = np.zeros(1, dtype=_TOKEN_DATA)
+        self._all: np.ndarray | None = None  # the whole-vocabulary candidates, allocated on first rejection
+
+    def _apply(self, smpl: Any, data: np.ndarray) -> int:
+        arr = C.llama_token_data_array(data.ctypes.data_as(ctypes.POINTER(C.llama_token_data)), len(data), -1, False)
+        C.llama_sampler_apply(smpl, ctypes.byref(arr))
+        return int(arr.selected)
+
+    def allows(self, token: int) -> bool:
+        """Whether the grammar, in its current state, accepts `token` next (a one-candidate check)."""
+        one = self._one
+        one["id"], one["logit"], one["p"] = token, 0.0, 0.0
+        self._apply(self.ptr, one)
+        return bool(np.isfinite(one["logit"][0]))
+
+    def _candidates(self, ctx: ContextHandle, idx: int) -> np.ndarray:
+        ptr = C.llama_get_logits_ith(ctx.ptr, idx)
+        if not ptr:
+            raise BackendError("llama_get_logits_ith", None, f"no logits for row {idx}")
+        if self._all is None:
+            self._all = np.zeros(self.n_vocab, dtype=_TOKEN_DATA)
+        a = self._all
+        a["id"] = np.arange(self.n_vocab, dtype=np.int32)
+        a["logit"] = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+        a["p"] = 0.0
+        return a
+
+    def pick(self, ctx: ContextHandle, idx: int, chain: SamplerHandle | None, ban: np.ndarray | None = None) -> int:
+        """The next token under the grammar: greedy (`chain` None) or through the chain, without accepting it.
+
+        `ban` (a boolean mask over the vocabulary) removes tokens on top of the grammar."""
+        if chain is None:
+            tok = ctx.argmax(idx)
+        else:
+            cand = self._candidates(ctx, idx)
+            tok = int(cand["id"][self._apply(chain.ptr, cand)])
+        if self.lazy and (ban is None or not ban[tok]) and self.allows(tok):
+            return tok
+        if chain is None and self.lazy:  # greedy: the best allowed token is nearly always among the best few
+            best = self._best_allowed(ctx, idx, ban, GREEDY_SCAN)
+            if best is not None:
+                return best
+        cand = self._candidates(ctx, idx)
+        self._apply(self.ptr, cand)  # rejected: mask the whole vocabulary (in id order), then choose again
+        if ban is not None:
+            cand["logit"][ban] = -np.inf
+        if not np.isfinite(cand["logit"]).any():
+            raise BackendError("llama_sampler_apply", None, "the grammar allows no token here (a dead end)")
+        if chain is None:
+            return int(cand["logit"].argmax())
+        return int(cand["id"][self._apply(chain.ptr, cand)])
+
+    def _best_allowed(self, ctx: ContextHandle, idx: int, ban: np.ndarray | None, k: int) -> int | None:
+        """The highest-logit token the grammar allows among the `k` best (ties: the lowest id, as argmax over
+        the masked vocabulary would pick), or None to fall back to the full pass."""
+        ptr = C.llama_get_logits_ith(ctx.ptr, idx)
+        if not ptr:
+            raise BackendError("llama_get_logits_ith", None, f"no logits for row {idx}")
+        row = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+        top = np.sort(np.argpartition(row, -k)[-k:])
+        kth = row[top].min()
+        for t in top[np.argsort(-row[top], kind="stable")]:
+            if row[t] == kth and (row > kth).sum() + (row == kth).sum() > k:
+                return None  # ties at the edge of the window: a token outside it could rank the same
+            if (ban is None or not ban[t]) and self.allows(int(t)):
+                return int(t)
+        return None
+
+    def accept(self, token: int) -> None:
+        """Advance the grammar by a token it allows (never pass one `allows` refused: llama.cpp aborts)."""
+        C.llama_sampler_accept(self.ptr, token)
+
+
+def sampler_accept(chain: SamplerHandle, token: int) -> None:
+    """Record a token chosen outside `SamplerHandle.sample` (penalty history)."""
+    C.llama_sampler_accept(chain.ptr, token)
+
+
+# llama-cpp-python's maintained port of llama.cpp's JSON-schema → GBNF converter (pure Python, shipped with
+# the binding), re-exported so that the engine reaches the binding through this module only.
+from llama_cpp.llama_grammar import JSON_GBNF as JSON_GBNF  # noqa: E402
+from llama_cpp.llama_grammar import RESERVED_NAMES as _GRAMMAR_RESERVED  # noqa: E402
+from llama_cpp.llama_grammar import SchemaConverter as SchemaConverter  # noqa: E402
+
+GRAMMAR_RESERVED_NAMES = frozenset(_GRAMMAR_RESERVED)  # rule names the converter keeps for itself
