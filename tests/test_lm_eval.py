@@ -6,7 +6,6 @@ tokens, bit for bit: an engine built with the server's settings runs the same de
 from __future__ import annotations
 
 import json
-import os
 import queue
 import signal
 import subprocess
@@ -17,10 +16,22 @@ from pathlib import Path
 
 import pytest
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # lm-eval and datasets must never reach the Hub here
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-
 lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is in the dev extra")
+
+
+@pytest.fixture()
+def offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """lm-eval and datasets must never reach the Hub here: offline for this test only. huggingface_hub and
+    datasets read the variables once, at import, so their constants are patched too (and restored after,
+    so the hf:// tests that run later still reach their local test hub)."""
+    import datasets.config
+    import huggingface_hub.constants
+
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.setenv(name, "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True)
 
 import loramux as lm  # noqa: E402
 from loramux.server import ServerSettings  # noqa: E402
@@ -100,7 +111,7 @@ def _encode_pair(eng: lm.Engine, context: str, continuation: str) -> tuple[list[
 
 
 @pytest.mark.timeout(900)
-def test_lm_eval_local_completions_equals_engine_scores(tiny_model, tiny_dir, tmp_path):
+def test_lm_eval_local_completions_equals_engine_scores(tiny_model, tiny_dir, tmp_path, offline):
     tasks = _task(tmp_path)
     proc, url = _serve(tiny_model, tiny_dir / "a.gguf")
     try:

@@ -299,9 +299,10 @@ def test_input_limits_are_400s_naming_the_parameter(tiny_model, adir):
          "messages.0.content"),
         ("chat/completions", {**chat, "messages": [{"role": "user", "content": [{"type": "text", "text": "x"}] *
                                                     (S.MAX_CONTENT_PARTS + 1)}]}, "messages.0.content"),
-        ("chat/completions", {**chat, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ("chat/completions", {**chat, "functions": [{"name": "f"}]}, "tools"),
-        ("chat/completions", {**chat, "tool_choice": "auto"}, "tools"),
+        ("chat/completions", {**chat, "tools": [{"type": "function", "function": {"name": f"f{i}"}}
+                                                for i in range(S.MAX_TOOLS + 1)]}, "tools"),
+        ("chat/completions", {**chat, "functions": [{"name": "f"}]}, "functions"),
+        ("chat/completions", {**chat, "tool_choice": "auto"}, "tool_choice"),
         ("completions", {**comp, "n": 17}, "n"),
         ("completions", {**comp, "logit_bias": {"50": 100}}, "logit_bias"),
         ("completions", {**comp, "lora": [{"name": "a"}] * (S.MAX_LORA_REFS + 1)}, "lora"),

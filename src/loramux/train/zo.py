@@ -34,7 +34,7 @@ import numpy as np
 
 from .._progress import Bar
 from .._progress import bar as progress_bar
-from ..errors import ParameterError, TrainingError
+from ..errors import FactorError, ParameterError, TrainingError
 from ..gguf_io import atomic_path, read_adapter_factors, write_adapter
 from .data import DataArg, Example, digest, load_examples
 
@@ -265,15 +265,19 @@ class ZOTrainer:
             coef = self._coef(g, step) if math.isfinite(g) else math.nan
             new = self._shifted(z, -lr * coef) if math.isfinite(coef) else None
             ok = new is not None and all(np.isfinite(a).all() and np.isfinite(b).all() for a, b in new.values())
+        refused = None
+        if ok:
+            try:  # restore and update in one write: θ ← θ − lr·g·z is what the next forward must see
+                self._write(new)
+            except FactorError as e:  # finite, but past the delta bound every write is held to
+                ok, refused = False, e
         if not ok:
             self._write(self.master)  # restore the last good factors before saying anything
             what = f"loss L+={lp!r}, L-={lm!r}" if not (math.isfinite(lp) and math.isfinite(lm)) else \
-                f"update lr·g = {lr * g!r} overflowed the factors"
+                f"update lr·g = {lr * g!r} overflowed the factors (or the bound on their delta)"
             raise TrainingError(f"step {step}: non-finite {what}; the last good factors (step {self.step}) "
                                 "were restored", step=step,
-                                hint="lower --lr (or --eps); resume from the last checkpoint if you have one")
-        # Restore and update in one write: θ ← θ − lr·g·z is what the next forward must see.
-        self._write(new)
+                                hint="lower --lr (or --eps); resume from the last checkpoint if you have one") from refused
         self.master = new
         self.step = step
         if self.cfg.normalize:
