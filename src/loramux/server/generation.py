@@ -13,9 +13,9 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Request as HTTPRequest
 
@@ -30,6 +30,7 @@ from .structured import request_grammar, response_schema
 from .tools import ToolPlan, ToolStream, history, parse_calls
 
 log = logging.getLogger("loramux.server")
+T = TypeVar("T")
 
 
 @dataclass
@@ -244,17 +245,24 @@ async def _drain(job: Job) -> Any:
             raise value
 
 
-async def collect(job: Job, http: HTTPRequest) -> dict[str, Any] | None:
-    """Wait for the whole completion and build the body; None (request cancelled) if the client left."""
-    drain = asyncio.ensure_future(_drain(job))
+async def until_client_leaves(work: Awaitable[T], http: HTTPRequest) -> asyncio.Future[T] | None:
+    """Run `work` until it ends or the client leaves: its finished future (read its result), or None
+    when the client left first (then `work` is cancelled)."""
+    task = asyncio.ensure_future(work)
     watch = asyncio.ensure_future(wait_disconnect(http))
     try:
-        await asyncio.wait({drain, watch}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watch.cancel()
-        if not drain.done():
-            drain.cancel()
-    if not drain.done() or drain.cancelled():
+        if not task.done():
+            task.cancel()
+    return task if task.done() and not task.cancelled() else None
+
+
+async def collect(job: Job, http: HTTPRequest) -> dict[str, Any] | None:
+    """Wait for the whole completion and build the body; None (request cancelled) if the client left."""
+    drain = await until_client_leaves(_drain(job), http)
+    if drain is None:
         job.finish(499)
         return None
     try:

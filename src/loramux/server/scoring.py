@@ -177,15 +177,8 @@ async def _drain(job: Job) -> Completion:
 
 
 async def _collect(group: Group, http: HTTPRequest) -> dict[str, Any] | None:
-    drains = asyncio.ensure_future(asyncio.gather(*(_drain(j) for j in group.jobs)))
-    watch = asyncio.ensure_future(generation.wait_disconnect(http))
-    try:
-        await asyncio.wait({drains, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not drains.done():
-            drains.cancel()
-    if not drains.done() or drains.cancelled():
+    drains = await generation.until_client_leaves(asyncio.gather(*(_drain(j) for j in group.jobs)), http)
+    if drains is None:
         group.finish(499)
         return None
     try:
