@@ -15,7 +15,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from fastapi import Request as HTTPRequest
 
@@ -259,20 +259,33 @@ async def until_client_leaves(work: Awaitable[T], http: HTTPRequest) -> asyncio.
     return task if task.done() and not task.cancelled() else None
 
 
-async def collect(job: Job, http: HTTPRequest) -> dict[str, Any] | None:
-    """Wait for the whole completion and build the body; None (request cancelled) if the client left."""
-    drain = await until_client_leaves(_drain(job), http)
-    if drain is None:
-        job.finish(499)
+class Finishes(Protocol):
+    """What a collected request reports its end to: a Job, or a scoring group of jobs."""
+
+    def finish(self, status: int, completion: Any = None, *, record: bool = True) -> None: ...
+
+
+async def finished(owner: Finishes, work: Awaitable[T], http: HTTPRequest) -> T | None:
+    """`work`'s result, with `owner` finished accordingly: 200, the error's status (raised as an
+    APIError), or 499 and None when the client left first (then `work` is cancelled)."""
+    fut = await until_client_leaves(work, http)
+    if fut is None:
+        owner.finish(499)
         return None
     try:
-        completion = drain.result()
+        result = fut.result()
     except BaseException as e:
         err = from_exception(e)
-        job.finish(err.status)
+        owner.finish(err.status)
         raise err from None
-    job.finish(200, completion)
-    return _full_body(job, completion)
+    owner.finish(200, result)
+    return result
+
+
+async def collect(job: Job, http: HTTPRequest) -> dict[str, Any] | None:
+    """Wait for the whole completion and build the body; None (request cancelled) if the client left."""
+    completion = await finished(job, _drain(job), http)
+    return None if completion is None else _full_body(job, completion)
 
 
 def _usage(job: Job, completion: Any) -> dict[str, int]:

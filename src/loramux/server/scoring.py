@@ -177,17 +177,9 @@ async def _drain(job: Job) -> Completion:
 
 
 async def _collect(group: Group, http: HTTPRequest) -> dict[str, Any] | None:
-    drains = await generation.until_client_leaves(asyncio.gather(*(_drain(j) for j in group.jobs)), http)
-    if drains is None:
-        group.finish(499)
+    completions = await generation.finished(group, asyncio.gather(*(_drain(j) for j in group.jobs)), http)
+    if completions is None:
         return None
-    try:
-        completions = drains.result()
-    except BaseException as e:
-        err = from_exception(e)
-        group.finish(err.status)
-        raise err from None
-    group.finish(200, completions)
     return await asyncio.to_thread(_full_body, group, completions, Pieces(group.state))
 
 
