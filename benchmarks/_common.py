@@ -12,6 +12,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -217,3 +218,20 @@ def progress(iterable: Iterable[Any], desc: str, total: int | None = None) -> It
     from tqdm import tqdm
 
     return tqdm(iterable, desc=desc, total=total, file=sys.stderr, leave=False, dynamic_ncols=True)
+
+
+def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 300, path: str = "/health") -> float:
+    """Seconds until GET url+path answers 200 (llama-cpp-python's server has no /health: pass /v1/models)."""
+    import httpx  # only the server benchmarks need it
+
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited with {proc.returncode} before it was ready")
+        try:
+            if httpx.get(url + path, timeout=2).status_code == 200:
+                return time.perf_counter() - t0
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise SystemExit("server did not become ready")

@@ -39,6 +39,7 @@ from _common import (
     print_machine,
     print_table,
     projection_shapes,
+    wait_ready,
     write_random_adapter,
 )
 from serve import free_port
@@ -63,7 +64,7 @@ class Proc:
         self.url = f"http://127.0.0.1:{port}"
         self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
-            self.startup = _ready(self.url, self.proc)
+            self.startup = wait_ready(self.url, self.proc, timeout=600, path="/v1/models")
         except BaseException:
             self.close()
             raise
@@ -74,21 +75,6 @@ class Proc:
             self.proc.wait(30)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-
-
-def _ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 600) -> float:
-    """Seconds until GET /v1/models answers (llama-cpp-python's server has no /health)."""
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < timeout:
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited with {proc.returncode} before it was ready")
-        try:
-            if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
-                return time.perf_counter() - t0
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise SystemExit("server did not become ready")
 
 
 def loramux_server(model: Path, adapters: list[Path], args: argparse.Namespace, slots: int) -> Proc:

@@ -36,6 +36,7 @@ from _common import (
     print_machine,
     print_table,
     projection_shapes,
+    wait_ready,
     write_random_adapter,
 )
 
@@ -48,20 +49,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 300) -> float:
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < timeout:
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited with {proc.returncode} before it was ready")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return time.perf_counter() - t0
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise SystemExit("server did not become ready")
 
 
 class Server:
