@@ -8,6 +8,9 @@ on the same llama.cpp build, so the bank's gain and its ceiling on this machine 
 - slot bank:     the 8 sequences spread over 4 adapters in a K=4 bank (per-token masks);
 - masks by row transfer: the same, with the masks moved through ggml_backend_tensor_get/set of the
                  rows they change (the path for node outputs off the host: a GPU, RPC), forced on the CPU;
+- masks + KV guard: the same, with the KV guard on (the graph also stops at every K/V cache write
+                 to check it; loramux arms it only for decodes with an adapter set whose bound could
+                 overflow the cache, see docs/server.md, "Numeric safety": this row is its cost);
 - bank, no masks: the bank in the graph without the eval callback (output wrong; it splits the
                  bank's cost into its wider factors and its masks);
 - rotation:      what llama-server does with 4 adapter sets: 4 steps of 2 sequences, switching the
@@ -70,6 +73,7 @@ class System:
 def build(args: argparse.Namespace, work: Path) -> tuple[list[System], list[System], Any]:
     from loramux.engine.adapters import LoRAAdapter
     from loramux.engine.bank import SlotBank, plan_ubatches, token_scales
+    from loramux.engine.kv_guard import KvGuard
     from loramux.engine.model import Context, ContextOptions, Model
     from loramux.gguf_io import read_header
 
@@ -88,6 +92,9 @@ def build(args: argparse.Namespace, work: Path) -> tuple[list[System], list[Syst
     every = [list(range(N_SEQ))]
     by_adapter = [[s for s in range(N_SEQ) if s % N_ADAPTERS == k] for k in range(N_ADAPTERS)]
 
+    guard = KvGuard(model, bank.callback, "f16")
+    guarded = [False]
+
     def decode(ctx: Any, seqs: list[int], n_tok: int, mask: bool) -> None:
         """Decode the filled batch (n_tok tokens for each of `seqs`), masked through the bank if asked."""
         b = ctx.batch
@@ -95,7 +102,13 @@ def build(args: argparse.Namespace, work: Path) -> tuple[list[System], list[Syst
             scales = token_scales(bank, [(n_tok, [(slot[s % N_ADAPTERS], 1.0)])
                                          for s in seqs])
             bank.set_plan(scales, b.logits[: b.n] != 0, plan_ubatches(b.seq[: b.n], b.capacity, True))
-        ctx.handle.decode(b)
+        if guarded[0]:
+            guard.arm(b.n)
+        try:
+            ctx.handle.decode(b)
+        finally:
+            if guarded[0] and len(guard.disarm()):
+                raise SystemExit("error: the KV guard zeroed tokens of ordinary adapters")
         if mask:
             bank.check()
 
@@ -127,12 +140,23 @@ def build(args: argparse.Namespace, work: Path) -> tuple[list[System], list[Syst
                 bank.node_access = "auto"
         return device
 
+    def with_guard(fn: Callable[[Any, int, int], None]) -> Callable[[Any, int, int], None]:
+        """The same step with the KV guard checking every K/V write."""
+        def checked(ctx: Any, pos: int, it: int) -> None:
+            guarded[0] = True
+            try:
+                fn(ctx, pos, it)
+            finally:
+                guarded[0] = False
+        return checked
+
     systems = []
     for label, cb, loras, fn in [
         ("base (no adapter)", None, [], step(every)),
         (f"one adapter (native rank {args.rank})", None, [adapters[0]], step(every)),
         (f"slot bank K={N_ADAPTERS}×r{bank.r}, masks", bank.callback, [bank.adapter], step(every, mask=True)),
         ("slot bank, masks by row transfer", bank.callback, [bank.adapter], by_transfer(step(every, mask=True))),
+        ("slot bank, masks + KV guard", bank.callback, [bank.adapter], with_guard(step(every, mask=True))),
         ("slot bank, no masks (cost split only)", None, [bank.adapter], step(every)),
         ("rotation: 4 sets × 2 sequences", None, [adapters[0]], step(by_adapter, switch=True)),
         ("4 × 2 sequences, no adapter switch", None, [adapters[0]], step(by_adapter)),
@@ -155,7 +179,7 @@ def build(args: argparse.Namespace, work: Path) -> tuple[list[System], list[Syst
             run(ctx, groups, mask, switch, prompts)
         return all_prompts
 
-    base_ctx, bank_ctx, rot_ctx = systems[0].ctx, systems[2].ctx, systems[5].ctx
+    base_ctx, bank_ctx, rot_ctx = systems[0].ctx, systems[2].ctx, systems[6].ctx
     fills = [System("base, one shared batch", base_ctx, prefill_with(every, False, False)),
              System("slot bank, one shared batch (masked)", bank_ctx, prefill_with(every, True, False)),
              System(f"slot bank, {N_ADAPTERS} batches grouped by adapter", bank_ctx,
@@ -216,7 +240,7 @@ def main() -> None:
 
 def report(systems: list[System], args: argparse.Namespace) -> None:
     med = {s.label: median(s.times) for s in systems}
-    base, one, bank, transfer, unmasked, rot, groups = (med[s.label] for s in systems)
+    base, one, bank, transfer, guarded, unmasked, rot, groups = (med[s.label] for s in systems)
     rows = [[s.label, f"{med[s.label] * 1e3:.1f}", f"{N_SEQ / med[s.label]:.0f}",
              f"{rot / med[s.label]:.2f}×", f"{one / med[s.label]:.2f}×"] for s in systems]
     print_table(f"one decode step of {N_SEQ} sequences ({N_ADAPTERS} adapters of rank {args.rank}, "
@@ -230,6 +254,8 @@ def report(systems: list[System], args: argparse.Namespace) -> None:
           f"native rank {args.rank}: {(one - base) * 1e3:.1f} ms")
     print(f"masks by row transfer (the GPU/RPC path, forced here): {bank / transfer:.2f}× the speed of masking "
           f"in place ({(transfer - bank) * 1e3:+.2f} ms a step)")
+    print(f"KV guard (stops at every K/V write; only for decodes with a risky adapter set): {bank / guarded:.2f}× "
+          f"the speed of the bank without it ({(guarded - bank) * 1e3:+.2f} ms a step)")
 
 
 def report_prefill(fills: list[System], args: argparse.Namespace) -> None:

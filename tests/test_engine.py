@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -334,6 +335,93 @@ def test_an_adapter_whose_output_overflows_the_kv_cache_fails_its_request_alone(
                 streams[0].consume()
             assert err.value.adapters == ["hot"] and "not finite" in str(err.value)
             assert streams[1].consume().tokens == solo
+    finally:
+        eng.close()
+
+
+def _constant_adapter(path, value, target="blk.0.attn_v.weight"):
+    out_dim, in_dim = base_shapes()[target]
+    return write_adapter(path, "llama", {target: (np.full((2, in_dim), value, np.float32),
+                                                  np.full((out_dim, 2), value, np.float32))}, alpha=2.0)
+
+
+def _submitted_together(eng, specs):
+    """Streams for (prompt, loras, ignore_eos) specs, all queued while the engine waits, so that they
+    are admitted together and share their first decode."""
+    gate = threading.Event()
+    held = eng.call_async(lambda: gate.wait(30))
+    out = [None] * len(specs)
+
+    def submit(i, prompt, loras, ignore_eos):
+        out[i] = eng.stream(prompt, max_tokens=8, loras=loras, ignore_eos=ignore_eos)
+    threads = [threading.Thread(target=submit, args=(i, *spec)) for i, spec in enumerate(specs)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 10
+    while eng._commands.qsize() < len(specs) and time.monotonic() < deadline:  # each submit is a command
+        time.sleep(0.01)
+    gate.set()
+    held.result()
+    for t in threads:
+        t.join()
+    return out
+
+
+def test_a_request_whose_adapter_overflows_the_kv_cache_cannot_break_the_others_of_its_decode(tiny_model, tmp_path):
+    """On the unified cache the bank needs, one sequence's Inf K/V cells would turn every other sequence of its
+    decode NaN (masked attention computes 0·Inf). The KV guard zeroes that sequence's cells as they are written
+    and fails only its request; the requests it shared decodes with return what they return alone."""
+    from loramux.errors import RequestFailed
+
+    hot = _constant_adapter(tmp_path / "hot.gguf", 300.0)
+    user = write_adapter(tmp_path / "u.gguf", "llama", random_factors(rank=2, seed=7, scale=0.4), alpha=2.0)
+    eng = lm.Engine.load(tiny_model, n_ctx=256, n_parallel=3, n_threads=2, slots=2, slot_rank=4)
+    try:
+        eng.load_lora(hot, name="hot", scale=0.0)
+        eng.load_lora(user, name="u", scale=0.0)
+        others = [("the dog ran", {"u": 1.0}), ("hello there", {})]
+        solo = [eng.generate(p, max_tokens=8, loras=s, ignore_eos=True).tokens for p, s in others]
+        streams = _submitted_together(eng, [(PROMPT, {"hot": 1.0}, False)] + [(p, s, True) for p, s in others])
+        with pytest.raises(RequestFailed) as err:
+            streams[0].consume()
+        assert err.value.adapters == ["hot"] and "KV cache's range" in str(err.value)
+        assert [s.consume().tokens for s in streams[1:]] == solo
+        guard = eng.scheduler.guard
+        assert guard.zeroed_tokens > 0 and eng.stats()["multi_seq_steps"] > 0
+        assert eng.stats()["kv_guard_failures"] == 1 and eng.scheduler.snapshot()["kv_guarded_decodes"] > 0
+        assert eng.scheduler.snapshot()["running"] == 0
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("slots", [0, 2])
+def test_an_adapter_the_kv_bound_cannot_clear_is_checked_or_decoded_alone(tiny_model, tmp_path, slots):
+    """An adapter whose bound could leave F16's range but whose values stay inside: with the bank its
+    decodes run with the KV guard (nothing zeroed); without one (no eval callback) its sequences take
+    turns, one per decode, on the unified cache. Either way the tokens are those of a lone request."""
+    from loramux.engine.kv_guard import KvGuard
+    from loramux.engine.registry import AdapterSet
+
+    path = _constant_adapter(tmp_path / "mild.gguf", 0.05)
+    eng = lm.Engine.load(tiny_model, n_ctx=256, n_parallel=2, n_threads=2, slots=slots, slot_rank=4,
+                         kv_unified=True)
+    try:
+        eng.load_lora(path, name="mild", scale=0.0)
+        guard = eng.scheduler.guard
+        g_kv, _ = guard.gains(eng.registry.get("mild"))
+        scale = 2 * guard.risk_limit / (g_kv * guard.x_bound)  # twice the scale the bound clears
+        assert guard.risky([AdapterSet(((eng.registry.get("mild"), scale),))])
+        prompts = ["the cat sat", "a dog ran in"]
+        solo = [eng.generate(p, max_tokens=6, loras={"mild": scale}, ignore_eos=True).tokens for p in prompts]
+        steps = eng.stats()["multi_seq_steps"]
+        got = [c.tokens for c in eng.generate_many(prompts, loras=[{"mild": scale}] * 2, max_tokens=6,
+                                                    ignore_eos=True)]
+        assert got == solo
+        assert isinstance(guard, KvGuard) and guard.zeroed_tokens == 0
+        if slots:
+            assert guard.guarded_decodes > 0 and eng.stats()["multi_seq_steps"] > steps
+        else:
+            assert not guard.available and eng.stats()["multi_seq_steps"] == steps
     finally:
         eng.close()
 

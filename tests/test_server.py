@@ -426,7 +426,8 @@ def test_metrics_gauges_and_per_adapter_counts(tiny_model, adir):
             c.completions.create(model="nope", prompt=PROMPTS[0], max_tokens=3)
         text = httpx.get(srv.url + "/metrics").text
         for name in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:gpu_cache_usage_perc",
-                     "vllm:kv_cache_usage_perc", "loramux_adapter_switches_total", "loramux_resident_adapters 2.0"):
+                     "vllm:kv_cache_usage_perc", "loramux_adapter_switches_total", "loramux_resident_adapters 2.0",
+                     "loramux_kv_guarded_decodes_total 0.0", "loramux_kv_guard_failures_total 0.0"):
             assert name in text, name
         assert 'vllm:lora_requests_info{max_lora="2",running_lora_adapters="a,b",waiting_lora_adapters=""}' in text
         assert _metric(text, 'loramux_adapter_requests_total{adapter="a"}') == 4

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 F32, F16, Q8_0, BF16 = 0, 1, 8, 30  # enum ggml_type
+I32, I64 = 26, 27
 
 #: Name of each float type an adapter's factors may have (ggml's spelling).
 FLOAT_NAMES: dict[int, str] = {F32: "F32", F16: "F16", BF16: "BF16"}

@@ -48,6 +48,7 @@ from .sampling import SamplerHandle as SamplerHandle
 from .sampling import SchemaConverter as SchemaConverter
 from .sampling import sampler_accept as sampler_accept
 from .tensors import OP_MUL_MAT as OP_MUL_MAT
+from .tensors import OP_SET_ROWS as OP_SET_ROWS
 from .tensors import EvalCallback as EvalCallback
 from .tensors import GgmlTensor as GgmlTensor
 from .tensors import buffer_alignment as buffer_alignment
@@ -57,6 +58,7 @@ from .tensors import node_ne1 as node_ne1
 from .tensors import node_op as node_op
 from .tensors import node_place as node_place
 from .tensors import node_src0 as node_src0
+from .tensors import set_rows_parts as set_rows_parts
 from .tensors import tensor_get as tensor_get
 from .tensors import tensor_host_address as tensor_host_address
 from .tensors import tensor_name as tensor_name
@@ -65,3 +67,4 @@ from .tensors import tensor_set as tensor_set
 from .tensors import tensor_set_2d as tensor_set_2d
 from .tensors import tensor_set_raw as tensor_set_raw
 from .tensors import tensor_view as tensor_view
+from .tensors import zero_rows as zero_rows

@@ -54,6 +54,7 @@ def _find_op(name: str) -> int:
 
 
 OP_MUL_MAT = _find_op("MUL_MAT")
+OP_SET_ROWS = _find_op("SET_ROWS")  # how llama.cpp writes each new token's K and V into the cache
 
 EvalCallback = Callable[[int, bool], bool]  # (tensor pointer, ask) -> bool
 
@@ -147,3 +148,37 @@ def tensor_set_2d(ptr: int, data: np.ndarray, offset: int, row_bytes: int, n_row
     """
     libggml.ggml_backend_tensor_set_2d(ptr, data.ctypes.data, offset, row_bytes, n_rows, stride_tensor, row_bytes)
 
+
+
+def set_rows_parts(ptr: int) -> tuple[np.ndarray, np.ndarray, int, int] | None:
+    """What a SET_ROWS node wrote: (values as (rows, row_len) float32, destination row of each, the
+    destination's ggml type, its row stride in bytes); None when the values are not contiguous F32
+    or the indices are not a host I64/I32 vector. Values on a device are copied to the host."""
+    t = GgmlTensor.from_address(ptr)
+    src, idx = GgmlTensor.from_address(t.src[0]), GgmlTensor.from_address(t.src[1])  # ggml_set_rows(a, b, c): b, c
+    rows, row_len = src.ne[1] * src.ne[2] * src.ne[3], src.ne[0]
+    if src.type != G.F32 or src.nb[0] != 4 or src.nb[1] != 4 * row_len or src.nb[2] != src.nb[1] * src.ne[1]:
+        return None
+    itype = {G.I64: np.int64, G.I32: np.int32}.get(idx.type)
+    if itype is None or not idx.data or not libggml.ggml_backend_buffer_is_host(idx.buffer):
+        return None
+    n_idx = idx.ne[0] * idx.ne[1] * idx.ne[2] * idx.ne[3]
+    where = np.frombuffer((ctypes.c_char * (n_idx * np.dtype(itype).itemsize)).from_address(idx.data), itype)
+    if src.data and src.buffer and libggml.ggml_backend_buffer_is_host(src.buffer):
+        values = np.frombuffer((ctypes.c_float * (rows * row_len)).from_address(src.data), np.float32)
+    else:
+        values = tensor_get(t.src[0], np.empty(rows * row_len, np.float32))
+    return values.reshape(rows, row_len), where, int(t.type), int(t.nb[1])
+
+
+def zero_rows(ptr: int, rows: np.ndarray, row_bytes: int) -> None:
+    """Write zeros over rows `rows` (each `row_bytes` long) of a tensor, host or device. Zero bytes are
+    0.0 in every float and block type (a zero scale)."""
+    t = GgmlTensor.from_address(ptr)
+    if t.data and t.buffer and libggml.ggml_backend_buffer_is_host(t.buffer):
+        mem = host_bytes(int(t.data), int(libggml.ggml_nbytes(ptr))).reshape(-1, row_bytes)
+        mem[np.asarray(rows, np.int64)] = 0
+        return
+    zeros = np.zeros(row_bytes, np.uint8)
+    for r in np.asarray(rows, np.int64):
+        tensor_set(ptr, zeros, offset=int(r) * row_bytes)

@@ -30,6 +30,7 @@ from .bank import SlotBank
 from .chat import ChatTemplate, special_texts, tokenize_chat, user_strings
 from .control import ControlSetting, ControlSource
 from .grammar import ActiveGrammar, Grammar
+from .kv_guard import KvGuard
 from .model import Context, ContextOptions, Model, default_threads
 from .options import EngineOptions
 from .registry import AdapterSet, LoraArg, Registry, check_scale
@@ -76,7 +77,8 @@ class Engine:
                                          kv_type=opts.kv_type)
         self.n_ctx = n_ctx
         self.ctx = Context(model, self._ctx_opts, callback=self.bank.callback if self.bank else None)
-        self.scheduler = Scheduler(model, self.ctx, n_parallel, self.bank, opts.deterministic)
+        guard = KvGuard(model, self.bank.callback if self.bank else None, opts.kv_type)
+        self.scheduler = Scheduler(model, self.ctx, n_parallel, self.bank, opts.deterministic, guard)
         self._eval_ctx: Context | None = None
         self.control: ControlSetting | None = None  # default control-vector setting (see control.py)
         self._retired: list[LoRAAdapter] = []

@@ -24,6 +24,7 @@ from ..errors import BackendError, LoramuxError, RequestFailed
 from .bank import SlotBank
 from .control import ControlSetting
 from .grammar import ActiveGrammar
+from .kv_guard import KvGuard
 from .model import Context, Model
 from .registry import AdapterSet
 from .sampling import Completion, SamplingParams, TextAssembler
@@ -111,10 +112,12 @@ class Scheduler:
     """Owns the serving context. Only the engine thread calls into it."""
 
     def __init__(self, model: Model, ctx: Context, n_parallel: int, bank: SlotBank | None = None,
-                 deterministic: bool = False) -> None:
+                 deterministic: bool = False, guard: KvGuard | None = None) -> None:
         self.model = model
         self.ctx = ctx
         self.bank = bank
+        # Only a unified KV cache lets one sequence's cells reach another's attention (kv_guard.py).
+        self.guard = guard if ctx.opts.kv_unified else None
         # Deterministic mode never mixes a prompt chunk with other sequences' tokens: llama.cpp would
         # re-split it per sequence, and a 1-token piece takes another attention kernel than solo.
         self.deterministic = deterministic
@@ -130,7 +133,7 @@ class Scheduler:
         # prompt_tokens_reused: prefix tokens taken from a slot's cache instead of decoded again;
         # batch_tokens: tokens sent to llama_decode; multi_seq_steps: decodes holding several sequences.
         self.stats = {"adapter_switches": 0, "decode_steps": 0, "prompt_tokens": 0, "generated_tokens": 0,
-                      "prompt_tokens_reused": 0, "batch_tokens": 0, "multi_seq_steps": 0}
+                      "prompt_tokens_reused": 0, "batch_tokens": 0, "multi_seq_steps": 0, "kv_guard_failures": 0}
 
     # -- bookkeeping --------------------------------------------------------------------------
     @property
@@ -165,7 +168,8 @@ class Scheduler:
             return out
         return {"waiting": len(waiting), "running": len(running), "kv_used": sum(r.n_past for r in running),
                 "kv_total": self.ctx.n_ctx, "running_adapters": per_adapter(running),
-                "waiting_adapters": per_adapter(waiting), **self.slot_wait_quantiles(), **dict(self.stats)}
+                "waiting_adapters": per_adapter(waiting), **self.slot_wait_quantiles(), **dict(self.stats),
+                "kv_guarded_decodes": self.guard.guarded_decodes if self.guard is not None else 0}
 
     # -- one step -----------------------------------------------------------------------------
     def step(self) -> None:
@@ -176,14 +180,15 @@ class Scheduler:
             return
         group = self._pick_group(runnable)
         members = [r for r in runnable if r.phase_at(r.n_past).group_key == group]
+        guarded = self.guard is not None and len(members) > 1 and self.guard.risky(
+            ph.adapters for r in members for ph in r.phases)
+        if guarded and not self.guard.available:  # no eval callback to check with: one at a time
+            members, guarded = [members[self.stats["decode_steps"] % len(members)]], False
         phase = members[0].phase_at(members[0].n_past)  # before _fill_batch advances n_past
         plan, entries = self._fill_batch(members)
         try:
             self._apply(phase)
-            if self.bank is not None:
-                self.bank.decode(self.ctx, entries)  # plans the per-token masks, decodes, checks them
-            else:
-                self.ctx.handle.decode(self.ctx.batch)
+            self._decode(entries, guarded)
         except Exception as e:  # noqa: BLE001 - the batch's requests fail; waiting ones and the engine go on
             err = e if isinstance(e, LoramuxError) else RequestFailed("decode", phase.adapters.as_dict(), e)
             for r, _ in plan:
@@ -193,11 +198,38 @@ class Scheduler:
         b = self.ctx.batch
         self.stats["batch_tokens"] += b.n
         self.stats["multi_seq_steps"] += int(b.n > 0 and bool((b.seq[: b.n] != b.seq[0]).any()))
+        if guarded:
+            plan = self._fail_overflows(plan, entries)
         for r, out_idx in plan:
             if r.scoring is not None and not self._score_or_fail(r):
                 continue
             if out_idx is not None:
                 self._sample_or_fail(r, out_idx)
+
+    def _decode(self, entries: list[tuple[int, list[tuple[int, float]]]], guarded: bool) -> None:
+        """Decode the filled batch (through the bank when there is one), with the KV guard if asked."""
+        guard = self.guard if guarded else None
+        if guard is not None:
+            guard.arm(self.ctx.batch.n)
+        try:
+            if self.bank is not None:
+                self.bank.decode(self.ctx, entries)  # plans the per-token masks, decodes, checks them
+            else:
+                self.ctx.handle.decode(self.ctx.batch)
+        finally:
+            if guard is not None:
+                guard.disarm()  # raises BackendError when a KV write could not be checked
+
+    def _fail_overflows(self, plan: list[tuple[Request, int | None]],
+                        entries: list[tuple[int, list[tuple[int, float]]]]) -> list[tuple[Request, int | None]]:
+        """Fail the requests whose tokens the guard zeroed in the cache; the rest of the plan goes on."""
+        assert self.guard is not None
+        hit = self.guard.hit_entries([n for n, _ in entries])
+        self.stats["kv_guard_failures"] += len(hit)
+        for i in hit:
+            r = plan[i][0]
+            self._finish(r, error=self.guard.overflow_error(r.phase_at(r.n_past - 1).adapters.as_dict()))
+        return [p for i, p in enumerate(plan) if i not in hit]
 
     def _drop_cancelled(self) -> None:
         for r in list(self.waiting):
