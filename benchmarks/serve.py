@@ -5,8 +5,8 @@ four rank-8 adapters over every projection. A load generator keeps N requests in
 fixed length, EOS ignored) and measures aggregate generated tokens/s and per-request latency.
 
 Cases: (a) every request on adapter 0; (b) requests spread round-robin over the four adapters.
-loramux runs with its slot bank (default), with adapter-set groups taking turns (`--slots 0`, what
-llama-server does), and in deterministic mode. Also: the time to hot-load a new adapter while
+loramux runs with its default bank sizing (a slot per parallel sequence; none at `--parallel 1`), with
+adapter-set groups taking turns (`--slots 0`, what llama-server does), and in deterministic mode. Also: the time to hot-load a new adapter while
 serving (llama-server has to restart to add one: its start-up time is shown next to it).
 
     python benchmarks/serve.py                # needs benchmarks/build_peers.sh for llama-server
@@ -142,7 +142,7 @@ def main() -> None:
         systems.append(("llama-server", [ls, "-m", str(model), "-t", str(args.threads), "-np", str(args.parallel),
                                           "-c", str(512 * args.parallel), "--no-webui",
                                           "--lora", ",".join(adapters)], "llama-server"))
-    systems.append(("loramux (slot bank)", lm_argv + ["--slots", str(N_ADAPTERS)], "loramux"))
+    systems.append(("loramux (default: --slots = --parallel)", lm_argv, "loramux"))
     systems.append(("loramux (groups take turns)", lm_argv + ["--slots", "0"], "loramux"))
     if not args.no_deterministic:
         systems.append(("loramux --deterministic (bank)", lm_argv + ["--slots", str(N_ADAPTERS), "--deterministic"],

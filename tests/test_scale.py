@@ -97,6 +97,7 @@ def test_bank_size_follows_parallel_and_the_start_adapters_ranks(tmp_path):
 
     assert bank_size(8) == (8, 16)  # no rank known: the old default rank
     assert bank_size(8, [8]) == (8, 8) and bank_size(4, [3, 12]) == (4, 16) and bank_size(2, [64]) == (2, 64)
+    assert bank_size(1, [8]) == (0, 8)  # one sequence: nothing to share a decode with, no bank
     files = [write_adapter(tmp_path / f"r{r}.gguf", "llama", random_factors(rank=r, seed=r), float(r)) for r in (4, 12)]
     loras = tuple(LoraEntry(p.stem, str(p)) for p in files) + (LoraEntry("remote", "hf://o/r/x.gguf"),)
     opts = ServerSettings(parallel=6, loras=loras).engine_options()

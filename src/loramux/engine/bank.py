@@ -50,7 +50,6 @@ from .residency import DEFAULT_CACHE_BYTES, Prefetcher, SlotBlocks, SlotMemory, 
 
 PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 VIEW_CACHE_MAX = 4096  # cached node views (a few per graph shape); cleared when exceeded
-STOP_FREE_AFTER = 8  # decodes on one slot set before idle slots are parked to skip the masks
 
 
 @dataclass
@@ -208,10 +207,6 @@ class SlotBank:
         # cb_eval: stop at bank A·x nodes only (the ask test runs for every node of every decode, so
         # it is answered in _native's one-frame trampoline) and mask them in place.
         self.callback = N.MatmulStops(self._a_ptrs, self._on_node)
-        self._stops = self.callback.src0
-        self._uniform_run: tuple[tuple[bool, ...] | None, int] = (None, 0)  # slots used, decodes in a row
-        self.stop_free_decodes = 0  # decodes that needed no masks (see _stop_free)
-        self.parked = 0  # idle slots zeroed so that decodes could run without masks
         self._target_set = frozenset(self.targets)
         self._esize = ELEMENT_SIZE[self._facs[self.targets[0]].type]
         self._store = np.float32 if self._esize == 4 else np.float16
@@ -418,14 +413,6 @@ class SlotBank:
         """
         b, o = ctx.batch, ctx.opts
         scales = token_scales(self, entries)
-        if self._stop_free(scales):
-            self.callback.src0 = frozenset()  # no node stops: the graph runs in one go
-            try:
-                ctx.handle.decode(b)
-            finally:
-                self.callback.src0 = self._stops
-            self.stop_free_decodes += 1
-            return
         ubs = plan_ubatches(b.seq[: b.n], o.n_ubatch, o.kv_unified)
         self.set_plan(scales, b.logits[: b.n] != 0, ubs)
         try:
@@ -434,33 +421,6 @@ class SlotBank:
             self.plan = None
             raise
         self.check()
-
-    def _stop_free(self, scales: np.ndarray) -> bool:
-        """Can this decode run without masks? When every token uses the same slots at scale exactly 1
-        and every other slot holds only zeros: their rows of A·x are then 0 and B·0 adds nothing, which
-        is what the masks would do, without stopping the graph at every bank node (each stop is a
-        sub-graph computation and a thread barrier). After STOP_FREE_AFTER such decodes in a row, idle
-        slots in the way are zeroed (parked): their adapters stay warm and come back by one copy.
-        Tokens use only their own slots either way; an Inf in a token's own activations turns its
-        zero rows into NaN here, where masks would have zeroed them (its output is broken anyway).
-        """
-        if len(scales) == 0 or not (scales == scales[0]).all() or not np.isin(scales[0], (0.0, 1.0)).all():
-            self._uniform_run = (None, 0)
-            return False
-        key = tuple(scales[0] != 0)
-        run = self._uniform_run[1] + 1 if self._uniform_run[0] == key else 1
-        self._uniform_run = (key, run)
-        others = [k for k in range(self.K) if not key[k] and not self.memory.is_zero(k)]
-        if not others:
-            return True
-        if run < STOP_FREE_AFTER or any(self.slots[k].refs or self.slots[k].pinned for k in others):
-            return False
-        for k in others:
-            s = self.slots[k]
-            s.adapter, s.version = None, -1
-            self.memory.clear(k)
-        self.parked += len(others)
-        return all(self.memory.is_zero(k) for k in others)
 
     def set_plan(self, token_scales: np.ndarray, out_flags: np.ndarray,
                  ubatches: list[np.ndarray] | None = None) -> None:

@@ -97,14 +97,16 @@ def bank_size(n_parallel: int, ranks: Iterable[int] = ()) -> tuple[int, int]:
     """The default slot bank for `n_parallel` sequences and adapters of these ranks: (slots, slot_rank).
 
     slots = n_parallel: a free sequence then always finds a free slot for a one-adapter request, so
-    such a request never waits for the bank, and each extra slot costs every decode step (the bank's
-    width K·r is paid by every token; see docs/scaling.md for the measurement). slot_rank = the
+    such a request never waits for the bank, and each extra slot costs every masked decode (the
+    bank's width K·r is paid by every token; see docs/scaling.md for the measurement). One sequence
+    (n_parallel = 1) gets no bank: its decodes never hold two adapter sets, and an idle bank still
+    costs the eval callback's ask for every graph node (about 3 % of a decode). slot_rank = the
     largest rank given, rounded up to a multiple of 8 (16 when no rank is known): a narrower slot
-    than the widest adapter would serve that adapter natively, a wider one costs every step.
+    than the widest adapter would serve that adapter natively, a wider one costs every masked decode.
     """
     known = [int(r) for r in ranks if int(r) > 0]
     rank = -(-max(known) // 8) * 8 if known else 16
-    return max(1, n_parallel), rank
+    return (n_parallel if n_parallel > 1 else 0), rank
 
 
 def parse_endpoint(text: str, option: str = "rpc") -> str:

@@ -291,10 +291,6 @@ class SlotMemory:
             except Exception:  # noqa: BLE001 - the slot stays marked empty: its rows are never selected
                 pass
 
-    def is_zero(self, k: int) -> bool:
-        """Does slot k hold only zeros (nothing written since it was created or cleared)?"""
-        return not self.ranks[k]
-
     def close(self) -> None:
         self._host, self._views = {}, {}
 

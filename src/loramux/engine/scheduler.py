@@ -131,9 +131,11 @@ class Scheduler:
         self.applied_cvec: Any = None
         self._slot_waits: deque[float] = deque(maxlen=SLOT_WAITS_KEPT)
         # prompt_tokens_reused: prefix tokens taken from a slot's cache instead of decoded again;
-        # batch_tokens: tokens sent to llama_decode; multi_seq_steps: decodes holding several sequences.
+        # batch_tokens: tokens sent to llama_decode; multi_seq_steps: decodes holding several sequences;
+        # bank_decodes: decodes through the bank's masks (the others had one adapter set for all tokens).
         self.stats = {"adapter_switches": 0, "decode_steps": 0, "prompt_tokens": 0, "generated_tokens": 0,
-                      "prompt_tokens_reused": 0, "batch_tokens": 0, "multi_seq_steps": 0, "kv_guard_failures": 0}
+                      "prompt_tokens_reused": 0, "batch_tokens": 0, "multi_seq_steps": 0, "kv_guard_failures": 0,
+                      "bank_decodes": 0}
 
     # -- bookkeeping --------------------------------------------------------------------------
     @property
@@ -186,15 +188,17 @@ class Scheduler:
             members, guarded = [members[self.stats["decode_steps"] % len(members)]], False
         phase = members[0].phase_at(members[0].n_past)  # before _fill_batch advances n_past
         plan, entries = self._fill_batch(members)
+        masked = self.bank is not None and phase.banked and not _uniform(entries)
         try:
-            self._apply(phase)
-            self._decode(entries, guarded)
+            self._apply(phase, masked)
+            self._decode(entries, guarded, masked)
         except Exception as e:  # noqa: BLE001 - the batch's requests fail; waiting ones and the engine go on
             err = e if isinstance(e, LoramuxError) else RequestFailed("decode", phase.adapters.as_dict(), e)
             for r, _ in plan:
                 self._finish(r, error=err)
             return
         self.stats["decode_steps"] += 1
+        self.stats["bank_decodes"] += masked
         b = self.ctx.batch
         self.stats["batch_tokens"] += b.n
         self.stats["multi_seq_steps"] += int(b.n > 0 and bool((b.seq[: b.n] != b.seq[0]).any()))
@@ -206,13 +210,14 @@ class Scheduler:
             if out_idx is not None:
                 self._sample_or_fail(r, out_idx)
 
-    def _decode(self, entries: list[tuple[int, list[tuple[int, float]]]], guarded: bool) -> None:
-        """Decode the filled batch (through the bank when there is one), with the KV guard if asked."""
+    def _decode(self, entries: list[tuple[int, list[tuple[int, float]]]], guarded: bool, masked: bool) -> None:
+        """Decode the filled batch, through the bank's masks if asked, with the KV guard if asked."""
         guard = self.guard if guarded else None
         if guard is not None:
             guard.arm(self.ctx.batch.n)
         try:
-            if self.bank is not None:
+            if masked:
+                assert self.bank is not None
                 self.bank.decode(self.ctx, entries)  # plans the per-token masks, decodes, checks them
             else:
                 self.ctx.handle.decode(self.ctx.batch)
@@ -414,10 +419,12 @@ class Scheduler:
         self._prefill_turn = not self._prefill_turn
         return prefill[:1] if use_prefill else decoders
 
-    def _apply(self, phase: Phase) -> None:
-        adapters = [] if phase.banked else list(phase.adapters.items)
-        if self.bank is not None:
-            adapters.insert(0, (self.bank.adapter, 1.0))  # always in the graph: masks do the selecting
+    def _apply(self, phase: Phase, masked: bool) -> None:
+        """Put the decode's adapters in the graph: the bank when its masks select per token, else the
+        phase's own set (a decode whose tokens all use one set needs no masks: natively it skips the
+        bank's K·r-wide products and its graph stops; switching costs a graph re-reserve, ~1 ms)."""
+        assert self.bank is not None or not masked
+        adapters = [(self.bank.adapter, 1.0)] if masked and self.bank is not None else list(phase.adapters.items)
         if self.ctx.handle.set_adapters([a.handle for a, _ in adapters], [s for _, s in adapters]):
             self.stats["adapter_switches"] += 1
         ckey = getattr(phase.cvec, "key", None)
@@ -539,6 +546,12 @@ class Scheduler:
         self.waiting.clear()
         for r in self.running:
             self._finish(r, error=error)
+
+
+def _uniform(entries: list[tuple[int, list[tuple[int, float]]]]) -> bool:
+    """Do all the batch's tokens use the same slots at the same scales (one adapter set)?"""
+    first = entries[0][1] if entries else []
+    return all(e[1] == first for e in entries)
 
 
 def _phase_end(r: Request) -> int:
