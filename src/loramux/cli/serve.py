@@ -51,8 +51,8 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--parallel", type=int, default=None, help="sequences decoded together (default 4)")
     p.add_argument("--slots", type=int, default=None, metavar="K",
                    help="slot bank: requests on up to K different adapters share every decode step "
-                        "(default: --parallel, so a request on one adapter never waits for a slot; "
-                        "0: adapter-set groups take turns instead; see docs/scaling.md)")
+                        "(default: --parallel, so a request on one adapter never waits for a slot, and none "
+                        "at --parallel 1; 0: adapter-set groups take turns instead; see docs/scaling.md)")
     p.add_argument("--slot-rank", type=int, default=None, metavar="R",
                    help="largest adapter rank a bank slot holds (default: the widest --lora adapter's "
                         "rank rounded up to a multiple of 8, else 16; larger ones take turns)")

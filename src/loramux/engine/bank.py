@@ -1,7 +1,8 @@
 """The slot bank: one resident LoRA of rank K·r that lets sequences on different adapters share a decode.
 
 The bank is an ordinary llama.cpp adapter over every projection, created with zero factors and
-always active at scale 1 (alpha 0, so llama.cpp applies no alpha/rank factor). Each user adapter
+applied at scale 1 (alpha 0, so llama.cpp applies no alpha/rank factor) to every decode whose tokens
+use different adapter sets (the scheduler applies a decode with one set for all tokens natively). Each user adapter
 lives in a slot k: rows [k·r, k·r + r) of every A and the same columns of every B, written in place.
 Each target is written at its own rank r_t ≤ r (zeros fill the rest of the slot, and the targets the
 adapter lacks) with its own llama.cpp scaling baked into B: alpha / r_t (1 when alpha is 0), exactly
