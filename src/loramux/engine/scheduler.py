@@ -188,7 +188,8 @@ class Scheduler:
             members, guarded = [members[self.stats["decode_steps"] % len(members)]], False
         phase = members[0].phase_at(members[0].n_past)  # before _fill_batch advances n_past
         plan, entries = self._fill_batch(members)
-        masked = self.bank is not None and phase.banked and not _uniform(entries)
+        # deterministic mode keeps every banked decode on the bank: native and bank products round apart
+        masked = self.bank is not None and phase.banked and (self.deterministic or not _uniform(entries))
         try:
             self._apply(phase, masked)
             self._decode(entries, guarded, masked)
