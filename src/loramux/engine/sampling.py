@@ -7,6 +7,7 @@ import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..errors import ParameterError
 from .scoring import TokenLogprob
@@ -30,6 +31,19 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N log-probabilities of each generated token (None: none; ≤ 20)
     prompt_logprobs: int | None = None  # the same for every prompt token (scoring; see scoring.py)
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with no penalties: a sampler chain would only pick the argmax."""
+        return (self.temperature <= 0 and self.repeat_penalty == 1.0
+                and not self.frequency_penalty and not self.presence_penalty)
+
+    def sampler_args(self) -> dict[str, Any]:
+        """The keywords of llama.cpp's sampler chain (`_native.SamplerHandle.chain`)."""
+        return {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p, "min_p": self.min_p,
+                "repeat_penalty": self.repeat_penalty, "repeat_last_n": self.repeat_last_n,
+                "frequency_penalty": self.frequency_penalty, "presence_penalty": self.presence_penalty,
+                "seed": self.seed}
 
     def validate(self) -> SamplingParams:
         problems = []

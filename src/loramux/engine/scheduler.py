@@ -275,8 +275,8 @@ class Scheduler:
                 self.ctx.handle.memory_seq_rm(seq, -1, -1)
                 keep = 0
             r.seq, r.n_past = seq, keep
-            if not _is_plain_greedy(r.params):  # plain greedy reads the argmax directly (see _sample)
-                r.sampler = N.SamplerHandle.chain(self.model.handle, **_sampler_args(r.params))
+            if not r.params.plain_greedy:  # plain greedy reads the argmax directly (see _sample)
+                r.sampler = N.SamplerHandle.chain(self.model.handle, **r.params.sampler_args())
             r.text = TextAssembler(r.params.stop)
             self.slots[seq] = r
             self.stats["prompt_tokens"] += len(r.prompt)
@@ -560,18 +560,6 @@ def _phase_end(r: Request) -> int:
         if ph.start > r.n_past:
             return ph.start
     return len(r.prompt)
-
-
-def _is_plain_greedy(p: SamplingParams) -> bool:
-    """Greedy with no penalties: the sampler chain would only pick the argmax."""
-    return (p.temperature <= 0 and p.repeat_penalty == 1.0
-            and not p.frequency_penalty and not p.presence_penalty)
-
-
-def _sampler_args(p: SamplingParams) -> dict[str, Any]:
-    return {"temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p, "min_p": p.min_p,
-            "repeat_penalty": p.repeat_penalty, "repeat_last_n": p.repeat_last_n,
-            "frequency_penalty": p.frequency_penalty, "presence_penalty": p.presence_penalty, "seed": p.seed}
 
 
 def alora_phases(aset: AdapterSet, cv: ControlSetting | None, tokens: list[int]) -> tuple[list[Phase], dict[str, bool]]:
