@@ -12,6 +12,8 @@ from test_server import adir, client, serving  # noqa: F401 - adir is a fixture
 from tinymodel import write_tiny_model
 
 from loramux.engine.chat import ChatTemplate
+from loramux.errors import GrammarError
+from loramux.server import function_gemma as fg
 from loramux.server.tools import ToolPlan, parse_calls
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6},
@@ -30,6 +32,17 @@ HERMES = (
     "{% endfor %}{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+
+FUNCTION_GEMMA = (  # FunctionGemma's layout, cut down: declarations, calls and turns
+    "{{ bos_token }}{% if tools %}<start_of_turn>developer\n{% for t in tools %}<start_function_declaration>"
+    "{{ t.function.name }}{{ t.function.parameters | tojson }}<end_function_declaration>{% endfor %}<end_of_turn>\n"
+    "{% endif %}{% for m in messages %}<start_of_turn>{{ 'model' if m.role == 'assistant' else m.role }}\n"
+    "{% if m.tool_calls %}{% for c in m.tool_calls %}<start_function_call>call:{{ c.function.name }}{}"
+    "<end_function_call>{% endfor %}{% else %}{{ m.content }}{% endif %}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+FG_TAGS = ["<start_function_call>", "<end_function_call>", "<escape>", "<start_function_declaration>",
+           "<end_function_declaration>"]
 
 
 @pytest.fixture(scope="module")
@@ -208,3 +221,83 @@ def test_auto_stream_holds_only_what_could_be_a_call():
     s = plan.stream()
     assert s.feed('{"tool_calls": [') == "" and s.feed("]}") == ""
     assert s.finish() == ('{"tool_calls": []}', [])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_function_gemma_calls_are_forced_in_its_format_and_read_back(tmp_path, monkeypatch, stream):
+    """A template with FunctionGemma's tags: a forced call comes out in its own syntax (tags, call:NAME{...},
+    <escape> strings), which needs its control tokens kept in the text, and is read back as valid tool calls."""
+    monkeypatch.setattr(tinymodel, "CHAT_TEMPLATE", FUNCTION_GEMMA)
+    monkeypatch.setattr(tinymodel, "PIECES", tinymodel.PIECES + FG_TAGS)
+    path = write_tiny_model(tmp_path / "fgemma.gguf")
+    with serving(path, n_ctx=2048) as (s, eng, _st):
+        assert all(len(eng.tokenize(t, add_bos=False)) == 1 for t in FG_TAGS)
+        kw = dict(model="fgemma", messages=[{"role": "user", "content": "w?"}], tools=TOOLS, tool_choice="required",
+                  max_tokens=300, temperature=0, extra_body={"return_token_ids": True})
+        c = client(s)
+        if stream:
+            calls: dict[int, dict[str, str]] = {}
+            reasons = []
+            for chunk in c.chat.completions.create(**kw, stream=True):
+                for ch in chunk.choices:
+                    reasons.append(ch.finish_reason)
+                    for d in ch.delta.tool_calls or ():
+                        e = calls.setdefault(d.index, {"name": "", "arguments": ""})
+                        e["name"] += (d.function.name or "") if d.function else ""
+                        e["arguments"] += (d.function.arguments or "") if d.function else ""
+            assert "tool_calls" in reasons and calls
+            for e in calls.values():
+                jsonschema.validate(json.loads(e["arguments"]), SCHEMAS[e["name"]])
+            return
+        r = c.chat.completions.create(**kw)
+        ch = r.choices[0]
+        assert ch.finish_reason == "tool_calls" and ch.message.content is None
+        _check_calls(ch.message.tool_calls)
+        text = eng.model.detokenize(ch.model_extra["token_ids"], special=True)
+        assert text.startswith("<start_function_call>call:get_") and "<end_function_call>" in text
+        for seed in range(4):  # sampled: the schema's bounds (maxLength, the integer range) hold in this format too
+            r = c.chat.completions.create(**{**kw, "temperature": 1.0, "seed": seed, "tool_choice": {
+                "type": "function", "function": {"name": "get_weather"}}})
+            _check_calls(r.choices[0].message.tool_calls, ["get_weather"])
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), [
+    ("<start_function_call>call:get_time{zone:<escape>UTC<escape>}<end_function_call>", "",
+     [("get_time", {"zone": "UTC"})]),
+    ("Checking.<start_function_call>call:get_weather{city:<escape>Paris, {FR}<escape>,days:3}<end_function_call>"
+     "<start_function_call>call:get_time{zone:<escape>CET<escape>}<end_function_call>", "Checking.",
+     [("get_weather", {"city": "Paris, {FR}", "days": 3}), ("get_time", {"zone": "CET"})]),
+    ("<start_function_call>call:get_time{zone:<escape>UTC<escape>,opts:{deep:[1,2.5,-3e2,true,null],x:false}}",
+     "", [("get_time", {"zone": "UTC", "opts": {"deep": [1, 2.5, -300.0, True, None], "x": False}})]),
+    ("<start_function_call>call:get_time{}<end_function_call>", "", [("get_time", {})]),
+    ("<start_function_call>call:unknown{a:1}<end_function_call>", None, []),
+    ("<start_function_call>call:get_time{zone:<escape>UTC}<end_function_call>", None, []),  # unclosed string
+    ("<start_function_call>call:get_time{zone:UTC}<end_function_call>", None, []),  # a bare word is no value
+    ("<start_function_call>call:get_time{zone:<escape>a<escape>} trailing<end_function_call>", None, []),
+    ("<start_function_call>get_time{}<end_function_call>", None, []),
+])
+def test_function_gemma_format_is_read(text, content, calls):
+    got_content, got = parse_calls(text, ["get_time", "get_weather"])
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got] == calls
+    assert got_content == (text if content is None else content)
+
+
+def test_function_gemma_grammar_and_stream_hold_back():
+    from loramux.server.schemas import ChatRequest
+
+    tmpl = ChatTemplate(FUNCTION_GEMMA, "fgemma")
+    body = ChatRequest(messages=[{"role": "user", "content": "x"}], tools=TOOLS)
+    plan = ToolPlan.from_request(body, tmpl)
+    assert plan is not None and plan.fmt == "function_gemma"
+    assert plan.shown_tokens(lambda t: [len(t)]) == [len(t) for t in fg.TAG_TEXTS]
+    s = plan.stream()
+    out = [s.feed(t) for t in ["Sure", " thing ", "<start_func", "tion_call>call:get_time{}"]]
+    assert "".join(out) == "Sure thing "
+    assert [c["function"]["name"] for c in s.finish()[1]] == ["get_time"]
+    rules, tops, numbers = fg.grammar_rules({"f": {"type": "object", "properties": {
+        "a": {"type": "string", "pattern": "x+"}, "b": {"type": "integer", "maximum": 7}}}})
+    assert tops == {"f": "fg0"} and "fg0-o ::= \"{\" (fg0-f0)? \"}\"" in rules  # neither is required
+    assert numbers == {"fgnum0": {"type": "integer", "maximum": 7}} and "@fgnum0@" in rules
+    with pytest.raises(GrammarError) as err:  # a strict tool: what the format cannot enforce is refused
+        fg.grammar_rules({"f": {"type": "object", "properties": {"a": {"type": "string", "pattern": "x+"}}}}, {"f"})
+    assert err.value.parameter == "tools (f)" and "pattern" in str(err.value)

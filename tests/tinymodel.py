@@ -37,7 +37,7 @@ def vocab() -> tuple[list[str], list[float], list[int]]:
         if p not in seen:
             seen.add(p)
             tokens.append(p)
-            types.append(3 if p.startswith("<start") or p.startswith("<end") else 1)
+            types.append(3 if p.startswith("<start") or p.startswith("<end") or p == "<escape>" else 1)
     scores = [0.0] * 259 + [-float(i) / 10 for i in range(len(tokens) - 259)]
     # longer pieces get higher scores so merges prefer them
     for i in range(259, len(tokens)):

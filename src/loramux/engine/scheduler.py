@@ -86,6 +86,7 @@ class Request:
     blocked_at: float | None = None
     scoring: Scoring | None = None  # logprobs wanted (prompt and/or generated tokens; see scoring.py)
     share: Request | None = None  # n > 1: a sibling on the same prompt whose prompt KV this one shares
+    shown: frozenset[int] = frozenset()  # control tokens whose text goes into the output (a tool format's tags)
 
     def phase_at(self, pos: int) -> Phase:
         cur = self.phases[0]
@@ -484,7 +485,7 @@ class Scheduler:
             return
         r.generated.append(tok)
         self.stats["generated_tokens"] += 1
-        chunk = r.text.feed(self.model.handle.token_bytes(tok))
+        chunk = r.text.feed(self.model.handle.token_bytes(tok, special=tok in r.shown))
         if chunk:
             r.emit("text", chunk)
         if r.text.stopped:

@@ -7,6 +7,10 @@ Two output formats, picked by the chat template:
   included): the reply is the JSON `{"tool_calls": [{"name": ..., "arguments": {...}}]}`; the tools and
   this instruction go into the system message (folded into the first user turn on Gemma).
 
+- **function_gemma** (the template mentions `<start_function_call>`: FunctionGemma, the Gemma 3 270M
+  function-calling model): `<start_function_call>call:NAME{key:<escape>text<escape>,...}<end_function_call>`
+  (see function_gemma.py); its control tags are shown in the output text of such requests.
+
 Parsing (`tool_choice` auto) also recognises `{"tool_call": {...}}`, a bare `{"name": ..., "arguments" |
 "parameters": ...}` (Llama 3.x) and Mistral's `[TOOL_CALLS][...]`. `required` and a named function are forced
 by a grammar built from the tools' parameter schemas (`engine.grammar`); with `response_format` and `auto`
@@ -17,13 +21,14 @@ from __future__ import annotations
 
 import json
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..engine.chat import ChatTemplate
 from ..engine.grammar import Grammar, schemas_rules, unenforced
 from ..errors import GrammarError
+from . import function_gemma as fg
 from .schemas import ChatRequest, Tool
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
@@ -38,7 +43,9 @@ GENERIC_INSTRUCTIONS = (
 
 
 def tool_format(template: ChatTemplate) -> str:
-    """'hermes' or 'generic' (see the module docstring)."""
+    """'function_gemma', 'hermes' or 'generic' (see the module docstring)."""
+    if fg.OPEN in template.source:
+        return "function_gemma"
     return "hermes" if HERMES_OPEN in template.source else "generic"
 
 
@@ -108,12 +115,24 @@ class ToolPlan:
                 _check_strict(t.function.parameters or {}, f"tools ({t.function.name})")
         if strict and answer_schema is not None and self.choice == "auto":
             _check_strict(answer_schema, "response_format")
+        if self.fmt == "function_gemma":  # numbers are written alike: the JSON converter's rules serve both
+            fg_rules, fg_tops, numbers = fg.grammar_rules(
+                {t.function.name: t.function.parameters or {"type": "object"} for t in tools},
+                {t.function.name for t in tools if t.function.strict})
+            schemas = {k: v for k, v in schemas.items() if k == "answer"} | numbers
         rules, tops = schemas_rules(schemas, param="tools", strict=False)
-        call = "(" + " | ".join(tops[f"call{i}"] for i in range(len(tools))) + ")"
-        if self.fmt == "hermes":
+        if self.fmt == "function_gemma":
+            for key in numbers:
+                fg_rules = fg_rules.replace(f"@{key}@", tops[key])
+            rules += "\n" + fg_rules
+            call = "(" + " | ".join(fg_tops.values()) + ")"
+            calls = f"{call}{{1,{MAX_PARALLEL}}}" if self.parallel else call
+        elif self.fmt == "hermes":
+            call = "(" + " | ".join(tops[f"call{i}"] for i in range(len(tools))) + ")"
             one = f'"{HERMES_OPEN}\\n" {call} "\\n{HERMES_CLOSE}"'
             calls = f'{one} ("\\n" {one}){{0,{MAX_PARALLEL - 1}}}' if self.parallel else one
         else:
+            call = "(" + " | ".join(tops[f"call{i}"] for i in range(len(tools))) + ")"
             many = f'{call} ("," space {call}){{0,{MAX_PARALLEL - 1}}}' if self.parallel else call
             calls = f'"{{" space "\\"tool_calls\\"" space ":" space "[" space {many} "]" space "}}" space'
         root = f"{calls} | {tops['answer']}" if "answer" in tops else calls
@@ -121,6 +140,13 @@ class ToolPlan:
 
     def stream(self) -> ToolStream:
         return ToolStream(self)
+
+    def shown_tokens(self, tokenize: Callable[[str], list[int]]) -> list[int]:
+        """Control tokens whose text the output must keep for this format to be read (its tags)."""
+        if self.fmt != "function_gemma":
+            return []
+        ids = [tokenize(t) for t in fg.TAG_TEXTS]
+        return [i[0] for i in ids if len(i) == 1]
 
 
 def _check_strict(schema: Any, param: str) -> None:
@@ -196,6 +222,10 @@ def parse_calls(text: str, known: Sequence[str]) -> tuple[str, list[dict[str, An
     def ok(calls: list[dict[str, Any]] | None) -> bool:
         return bool(calls) and all(c["function"]["name"] in known for c in calls or ())
     s = text.strip()
+    if fg.OPEN in s:
+        got = fg.parse(s)
+        fcalls = [c for c in (_call(n, a) for n, a in got[1]) if c] if got else []
+        return (got[0], fcalls) if got and len(fcalls) == len(got[1]) and ok(fcalls) else (text, [])
     if HERMES_OPEN in s:
         head, _, rest = s.partition(HERMES_OPEN)
         calls: list[dict[str, Any]] = []
@@ -223,7 +253,7 @@ def parse_calls(text: str, known: Sequence[str]) -> tuple[str, list[dict[str, An
     return text, []
 
 
-_STARTS = ("{", "[", MISTRAL_TAG, HERMES_OPEN, "```")
+_STARTS = ("{", "[", MISTRAL_TAG, HERMES_OPEN, "```", fg.OPEN)
 
 
 @dataclass
@@ -245,10 +275,11 @@ class ToolStream:
             if not s or any(x.startswith(s[:len(x)]) for x in _STARTS):
                 return ""
             self.streaming = True
-        if HERMES_OPEN in self.held:
+        tag = fg.OPEN if self.plan.fmt == "function_gemma" else HERMES_OPEN
+        if tag in self.held:
             return ""  # a call began mid-text: the rest is read at the end
-        keep = next((k for k in range(min(len(HERMES_OPEN) - 1, len(self.held)), 0, -1)
-                     if HERMES_OPEN.startswith(self.held[-k:])), 0)
+        keep = next((k for k in range(min(len(tag) - 1, len(self.held)), 0, -1)
+                     if tag.startswith(self.held[-k:])), 0)
         out, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
         self.sent.append(out)
         return out

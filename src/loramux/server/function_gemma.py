@@ -1,0 +1,226 @@
+"""FunctionGemma's tool-call format: reading calls out of the output, and the grammar that forces one.
+
+FunctionGemma (Gemma 3 270M trained for function calling) answers a call as
+`<start_function_call>call:NAME{key:value,...}<end_function_call>`, several in a row for parallel
+calls. Values: strings between two `<escape>` tokens (so no character inside needs quoting), numbers,
+`true`/`false`/`null`, objects `{key:value,...}` with bare keys and lists `[value,...]`. The tags and
+`<escape>` are control tokens: the server shows them in the text of such requests (`TAG_TEXTS`) so that
+this module can read them. A template that mentions `<start_function_call>` selects this format.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from ..errors import GrammarError
+
+OPEN, CLOSE, ESCAPE = "<start_function_call>", "<end_function_call>", "<escape>"
+TAG_TEXTS = (OPEN, CLOSE, ESCAPE)  # control tokens rendered as text for requests in this format
+MAX_DEPTH = 32  # nesting the reader follows (a deeper reply is not a call)
+_NUMBER = re.compile(r"-?\d+(\.\d+)?([eE][-+]?\d+)?")
+
+
+class _Reader:
+    """A cursor over one call's argument text; every method raises ValueError on what is not the format."""
+
+    def __init__(self, text: str) -> None:
+        self.s, self.i = text, 0
+
+    def skip(self) -> None:
+        while self.i < len(self.s) and self.s[self.i] in " \t\r\n":
+            self.i += 1
+
+    def take(self, token: str) -> bool:
+        self.skip()
+        if self.s.startswith(token, self.i):
+            self.i += len(token)
+            return True
+        return False
+
+    def value(self, depth: int = 0) -> Any:
+        if depth > MAX_DEPTH:
+            raise ValueError("nested too deep")
+        self.skip()
+        if self.take(ESCAPE):
+            end = self.s.find(ESCAPE, self.i)
+            if end < 0:
+                raise ValueError("an <escape> string is not closed")
+            out, self.i = self.s[self.i:end], end + len(ESCAPE)
+            return out
+        if self.take("{"):
+            return self.members(depth)
+        if self.take("["):
+            items: list[Any] = []
+            if self.take("]"):
+                return items
+            while True:
+                items.append(self.value(depth + 1))
+                if self.take("]"):
+                    return items
+                if not self.take(","):
+                    raise ValueError("expected ',' or ']'")
+        for word, v in (("true", True), ("false", False), ("null", None)):
+            if self.take(word):
+                return v
+        m = _NUMBER.match(self.s, self.i)
+        if not m:
+            raise ValueError(f"unexpected {self.s[self.i:self.i + 12]!r}")
+        self.i = m.end()
+        return json.loads(m.group(0))
+
+    def members(self, depth: int) -> dict[str, Any]:
+        """The rest of an object after its '{'."""
+        out: dict[str, Any] = {}
+        if self.take("}"):
+            return out
+        while True:
+            self.skip()
+            colon = self.s.find(":", self.i)
+            key = self.s[self.i:colon].strip() if colon >= 0 else ""
+            if not key or any(c in key for c in "{}[],<"):
+                raise ValueError("expected key:")
+            self.i = colon + 1
+            out[key] = self.value(depth + 1)
+            if self.take("}"):
+                return out
+            if not self.take(","):
+                raise ValueError("expected ',' or '}'")
+
+
+def parse(text: str) -> tuple[str, list[tuple[str, dict[str, Any]]]] | None:
+    """(content before the calls, [(name, arguments)]) when `text` holds calls in this format, else None.
+    A last call cut short by the end of the output (no closing tag) still counts when it is complete."""
+    head, sep, rest = text.partition(OPEN)
+    if not sep:
+        return None
+    calls = []
+    for chunk in rest.split(OPEN):
+        body = chunk.split(CLOSE, 1)[0].strip()
+        if not body.startswith("call:") or "{" not in body:
+            return None
+        name, _, args = body[len("call:"):].partition("{")
+        r = _Reader(args)
+        try:
+            arguments = r.members(0)
+        except (ValueError, RecursionError):
+            return None
+        if r.s[r.i:].strip() or not re.fullmatch(r"[A-Za-z0-9_.\-]+", name.strip()):
+            return None
+        calls.append((name.strip(), arguments))
+    return head.strip(), calls
+
+
+# ------------------------------------------------------------------------------ forcing a call
+
+def grammar_rules(schemas: dict[str, dict[str, Any]], strict: set[str] | None = None
+                  ) -> tuple[str, dict[str, str], dict[str, dict[str, Any]]]:
+    """GBNF rules for a call in this format per tool (name → parameter schema), each one's top rule, and
+    the numeric sub-schemas the caller converts with the JSON converter (numbers are written alike in
+    both formats): each key of that mapping stands in the rules as `@key@`, to be replaced by its rule.
+
+    Enforced: the object's properties (required ones first, in order, then the optional ones in the
+    schema's order), strings (minLength/maxLength), enums of strings, numbers and integers with their
+    bounds, booleans, null and lists (minItems/maxItems); a schema it does not describe that way takes
+    any value of the format. A keyword this format cannot enforce (a string's pattern or format) is a
+    GrammarError for a tool in `strict`, and left unenforced otherwise (as for JSON)."""
+    rules = [
+        f"fg-str ::= {ESCAPE} [^<]* {ESCAPE}",
+        'fg-num ::= "-"? [0-9]+ ("." [0-9]+)? ([eE] [-+]? [0-9]+)?',
+        'fg-int ::= "-"? [0-9]+',
+        'fg-bool ::= "true" | "false"',
+        'fg-key ::= [A-Za-z_] [A-Za-z0-9_]*',
+        'fg-any ::= fg-str | fg-num | fg-bool | "null" | "{" (fg-key ":" fg-any ("," fg-key ":" fg-any)*)? "}" '
+        '| "[" (fg-any ("," fg-any)*)? "]"',
+    ]
+    tops: dict[str, str] = {}
+    numbers: dict[str, dict[str, Any]] = {}
+    for i, (name, schema) in enumerate(schemas.items()):
+        ctx = _Ctx(rules, numbers, name if name in (strict or set()) else None)
+        args = ctx.value(schema, f"fg{i}", 0)
+        rules.append(f'fg{i} ::= {OPEN} "call:{_lit(name)}" {args} {CLOSE}')
+        tops[name] = f"fg{i}"
+    return "\n".join(rules), tops, numbers
+
+
+def _lit(s: str) -> str:
+    return s.replace("\\", "\\\\").replace('"', '\\"')
+
+
+_NUMERIC_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
+
+
+class _Ctx:
+    """One tool's conversion: the rules it appends to, its numeric sub-schemas, whether it is strict."""
+
+    def __init__(self, rules: list[str], numbers: dict[str, dict[str, Any]], strict_tool: str | None) -> None:
+        self.rules, self.numbers, self.strict_tool = rules, numbers, strict_tool
+
+    def value(self, schema: Any, rule: str, depth: int) -> str:
+        """The GBNF expression of one value of `schema` (new rules appended under the prefix `rule`)."""
+        if not isinstance(schema, dict) or depth > MAX_DEPTH:
+            return "fg-any"
+        enum = schema.get("enum")
+        if isinstance(enum, list) and enum and all(isinstance(v, str) and "<" not in v for v in enum):
+            return "(" + " | ".join(f'{ESCAPE} "{_lit(v)}" {ESCAPE}' for v in enum) + ")"
+        kind = schema.get("type")
+        if kind in ("number", "integer"):
+            if any(k in schema for k in _NUMERIC_BOUNDS):
+                key = f"fgnum{len(self.numbers)}"
+                self.numbers[key] = {k: v for k, v in schema.items() if k in ("type", *_NUMERIC_BOUNDS)}
+                return f"@{key}@"
+            return "fg-int" if kind == "integer" else "fg-num"
+        if kind == "string":
+            return self.string(schema)
+        simple = {"boolean": "fg-bool", "null": '"null"'}
+        if kind in simple:
+            return simple[kind]
+        if kind == "array":
+            return self.array(schema, rule, depth)
+        if kind == "object" or isinstance(schema.get("properties"), dict):
+            return self.obj(schema, rule, depth)
+        return "fg-any"
+
+    def string(self, schema: dict[str, Any]) -> str:
+        bad = [k for k in ("pattern", "format") if k in schema]
+        if bad and self.strict_tool is not None:
+            raise GrammarError(f"tools ({self.strict_tool})", f"FunctionGemma's call format cannot enforce "
+                               f"{', '.join(bad)} on a string", hint="drop those keywords, or send strict: false")
+        lo, hi = int(schema.get("minLength", 0)), schema.get("maxLength")
+        if not lo and hi is None:
+            return "fg-str"
+        return f"{ESCAPE} [^<]{{{lo},{'' if hi is None else int(hi)}}} {ESCAPE}"
+
+    def array(self, schema: dict[str, Any], rule: str, depth: int) -> str:
+        item = self.value(schema.get("items"), f"{rule}-i", depth + 1)
+        lo, hi = int(schema.get("minItems", 0)), schema.get("maxItems")
+        if not lo and hi is None:
+            return f'"[" ({item} ("," {item})*)? "]"'
+        rest = f'("," {item}){{{max(lo - 1, 0)},{"" if hi is None else max(int(hi) - 1, 0)}}}'
+        body = f"{item} {rest}" if lo else f"({item} {rest})?"
+        return f'"[" {body} "]"' if hi is None or int(hi) > 0 else '"[" "]"'
+
+    def obj(self, schema: dict[str, Any], rule: str, depth: int) -> str:
+        props = schema.get("properties")
+        if not isinstance(props, dict) or not props:
+            return '"{" (fg-key ":" fg-any ("," fg-key ":" fg-any)*)? "}"'
+        req = [k for k in schema.get("required", []) if k in props]
+        opt = [k for k in props if k not in req]
+        parts = [f'"{_lit(k)}:" {self.value(props[k], f"{rule}-{j}", depth + 1)}' for j, k in enumerate(req + opt)]
+        body = ' "," '.join(parts[:len(req)])
+        optional = parts[len(req):]  # each may follow, in the schema's order
+        if body:
+            body += "".join(f' ("," {p})?' for p in optional)
+        elif optional:  # none required: the first one present has no comma before it
+            for j in range(len(optional), 0, -1):
+                after = "".join(f' ("," {p})?' for p in optional[j:])
+                self.rules.append(f"{rule}-f{j - 1} ::= {optional[j - 1]}{after}"
+                                  + (f" | {rule}-f{j}" if j < len(optional) else ""))
+            body = f"({rule}-f0)?"
+        name = f"{rule}-o"
+        self.rules.append(f'{name} ::= "{{" {body} "}}"')
+        return name
+
+
+__all__ = ["CLOSE", "ESCAPE", "OPEN", "TAG_TEXTS", "grammar_rules", "parse"]
