@@ -42,7 +42,7 @@ FUNCTION_GEMMA = (  # FunctionGemma's layout, cut down: declarations, calls and 
     "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
 )
 FG_TAGS = ["<start_function_call>", "<end_function_call>", "<escape>", "<start_function_declaration>",
-           "<end_function_declaration>"]
+           "<end_function_declaration>", "<start_function_response>", "<end_function_response>"]
 
 
 @pytest.fixture(scope="module")
@@ -289,7 +289,9 @@ def test_function_gemma_grammar_and_stream_hold_back():
     body = ChatRequest(messages=[{"role": "user", "content": "x"}], tools=TOOLS)
     plan = ToolPlan.from_request(body, tmpl)
     assert plan is not None and plan.fmt == "function_gemma"
-    assert plan.shown_tokens(lambda t: [len(t)]) == [len(t) for t in fg.TAG_TEXTS]
+    assert plan.engine_args(lambda t: [len(t)]) == {"shown": [len(t) for t in fg.TAG_TEXTS],
+                                                    "stop_tokens": [len("<start_function_response>")]}
+    assert ToolPlan.from_request(body, ChatTemplate(HERMES, "hermes")).engine_args(lambda t: [1]) == {}
     s = plan.stream()
     out = [s.feed(t) for t in ["Sure", " thing ", "<start_func", "tion_call>call:get_time{}"]]
     assert "".join(out) == "Sure thing "
@@ -301,3 +303,21 @@ def test_function_gemma_grammar_and_stream_hold_back():
     with pytest.raises(GrammarError) as err:  # a strict tool: what the format cannot enforce is refused
         fg.grammar_rules({"f": {"type": "object", "properties": {"a": {"type": "string", "pattern": "x+"}}}}, {"f"})
     assert err.value.parameter == "tools (f)" and "pattern" in str(err.value)
+
+
+def test_stop_tokens_end_the_output_where_the_tool_takes_over(tmp_path, monkeypatch):
+    """FunctionGemma goes on with <start_function_response> after its calls: the engine's stop tokens end
+    the output there (finish_reason stop, the token left out), ignore_eos or not."""
+    import loramux as lm
+    from loramux.engine.grammar import Grammar
+
+    monkeypatch.setattr(tinymodel, "PIECES", tinymodel.PIECES + FG_TAGS)
+    path = write_tiny_model(tmp_path / "fgemma.gguf")
+    with lm.Engine.load(path, n_ctx=256, n_threads=2) as eng:
+        stop = eng.tokenize("<start_function_response>", add_bos=False)
+        assert len(stop) == 1
+        forced = Grammar('root ::= "the cat" <start_function_response> " sat"', "grammar")
+        free = eng.generate("hello", grammar=forced, max_tokens=20)
+        assert free.text == "the cat sat" and stop[0] in free.tokens  # the control token is not text
+        got = eng.generate("hello", grammar=forced, stop_tokens=stop, max_tokens=20, ignore_eos=True)
+        assert got.finish_reason == "stop" and got.text == "the cat" and stop[0] not in got.tokens

@@ -387,13 +387,14 @@ class Engine:
     def submit(self, prompt: str | Sequence[int], *, loras: LoraArg = None, control: ControlArg = Inherit.ENGINE,
                on_event: Callable[[str, Any], None] | None = None, share: Request | None = None,
                grammar: Grammar | ActiveGrammar | None = None, shown: Collection[int] = (),
-               **sampling: Any) -> Request:
+               stop_tokens: Collection[int] = (), **sampling: Any) -> Request:
         """Queue a generation; events arrive on `request.events` (and `on_event`, on the engine thread).
 
         `share`: an earlier request on the same prompt and adapters whose prompt KV this one reuses (n > 1).
         `grammar` constrains the output (see `loramux.engine.grammar`: JSON schemas, regexes, choices, GBNF);
         a compiled `ActiveGrammar` is used by this request alone. `shown`: control tokens whose text goes
-        into the output (they are left out otherwise), e.g. a tool-call format's tags."""
+        into the output (they are left out otherwise), e.g. a tool-call format's tags. `stop_tokens`: tokens
+        that end the output as an end-of-generation token does (left out of it; ignore_eos does not apply)."""
         params = SamplingParams(**sampling).validate()
         if isinstance(grammar, Grammar):
             grammar = grammar.compile(self.model)
@@ -408,7 +409,7 @@ class Engine:
             phases, alora = alora_phases(aset, cv, tokens)
             req = Request(tokens, params, phases, alora, on_event=on_event, grammar=grammar,
                           scoring=Scoring.wanted(params.prompt_logprobs, params.logprobs), share=share,
-                          shown=frozenset(shown))
+                          shown=frozenset(shown), stop_tokens=frozenset(stop_tokens))
             for a, _ in aset.items:
                 a.version  # noqa: B018 - fingerprint taken now; later writes make a new key
             if params.max_tokens == 0 and params.prompt_logprobs is None:

@@ -87,6 +87,7 @@ class Request:
     scoring: Scoring | None = None  # logprobs wanted (prompt and/or generated tokens; see scoring.py)
     share: Request | None = None  # n > 1: a sibling on the same prompt whose prompt KV this one shares
     shown: frozenset[int] = frozenset()  # control tokens whose text goes into the output (a tool format's tags)
+    stop_tokens: frozenset[int] = frozenset()  # tokens that end the output like an end-of-generation token
 
     def phase_at(self, pos: int) -> Phase:
         cur = self.phases[0]
@@ -480,7 +481,7 @@ class Scheduler:
                 r.emit("logprobs", entry)
         if r.first_token_at is None:
             r.first_token_at = time.monotonic()
-        if self.model.is_eog(tok) and not r.params.ignore_eos:
+        if (self.model.is_eog(tok) and not r.params.ignore_eos) or tok in r.stop_tokens:
             self._finish(r, reason="stop")
             return
         r.generated.append(tok)

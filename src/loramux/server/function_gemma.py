@@ -5,7 +5,9 @@ FunctionGemma (Gemma 3 270M trained for function calling) answers a call as
 calls. Values: strings between two `<escape>` tokens (so no character inside needs quoting), numbers,
 `true`/`false`/`null`, objects `{key:value,...}` with bare keys and lists `[value,...]`. The tags and
 `<escape>` are control tokens: the server shows them in the text of such requests (`TAG_TEXTS`) so that
-this module can read them. A template that mentions `<start_function_call>` selects this format.
+this module can read them. After its calls the model would go on with `<start_function_response>`, the
+tool's part: generation stops there (FunctionGemma's guide names it as a stop sequence). A template
+that mentions `<start_function_call>` selects this format.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from ..errors import GrammarError
 
 OPEN, CLOSE, ESCAPE = "<start_function_call>", "<end_function_call>", "<escape>"
 TAG_TEXTS = (OPEN, CLOSE, ESCAPE)  # control tokens rendered as text for requests in this format
+STOP_TEXTS = ("<start_function_response>",)  # where the model hands over to the tool: its output ends there
 MAX_DEPTH = 32  # nesting the reader follows (a deeper reply is not a call)
 _NUMBER = re.compile(r"-?\d+(\.\d+)?([eE][-+]?\d+)?")
 
@@ -223,4 +226,4 @@ class _Ctx:
         return name
 
 
-__all__ = ["CLOSE", "ESCAPE", "OPEN", "TAG_TEXTS", "grammar_rules", "parse"]
+__all__ = ["CLOSE", "ESCAPE", "OPEN", "STOP_TEXTS", "TAG_TEXTS", "grammar_rules", "parse"]

@@ -208,7 +208,7 @@ async def submit_job(state: ServerState, body: CompletionRequest | ChatRequest, 
     eng = state.engine
     kwargs: dict[str, Any] = {"loras": loras, "on_event": on_event, "grammar": grammar, **sampling}
     if plan is not None:
-        kwargs["shown"] = plan.shown_tokens(lambda t: eng.tokenize(t, add_bos=False, special=True))
+        kwargs.update(plan.engine_args(lambda t: eng.tokenize(t, add_bos=False, special=True)))
     if control is not None:
         kwargs["control"] = control
     try:

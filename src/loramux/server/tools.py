@@ -141,12 +141,16 @@ class ToolPlan:
     def stream(self) -> ToolStream:
         return ToolStream(self)
 
-    def shown_tokens(self, tokenize: Callable[[str], list[int]]) -> list[int]:
-        """Control tokens whose text the output must keep for this format to be read (its tags)."""
+    def engine_args(self, tokenize: Callable[[str], list[int]]) -> dict[str, list[int]]:
+        """Engine.submit's `shown` (control tokens whose text the output must keep for this format to be
+        read: its tags) and `stop_tokens` (where the format hands over to the tool), as token ids."""
         if self.fmt != "function_gemma":
-            return []
-        ids = [tokenize(t) for t in fg.TAG_TEXTS]
-        return [i[0] for i in ids if len(i) == 1]
+            return {}
+
+        def ids(texts: Sequence[str]) -> list[int]:
+            got = [tokenize(t) for t in texts]
+            return [i[0] for i in got if len(i) == 1]
+        return {"shown": ids(fg.TAG_TEXTS), "stop_tokens": ids(fg.STOP_TEXTS)}
 
 
 def _check_strict(schema: Any, param: str) -> None:
