@@ -456,12 +456,14 @@ def test_disconnect_mid_stream_frees_the_sequence(tiny_model, adir):
                 "ignore_eos": True}
         with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
             seen = 0
-            for line in r.iter_lines():
+            lines = r.iter_lines()  # held: an iterator dropped early closes the connection at once
+            for line in lines:
                 if line.startswith("data: "):
                     seen += 1
                 if seen >= 3:
                     break
             assert eng.scheduler.snapshot()["running"] == 1
+            del lines
         _wait_idle(eng)
         assert eng.stats()["generated_tokens"] - before < 4000
         # the same for a non-streaming request whose client gives up
