@@ -28,7 +28,7 @@ from ..engine.runtime import Engine
 from ..sources import CancelToken
 from . import generation, scoring, tokenize
 from .config import ServerSettings
-from .errors import from_exception, install_handlers
+from .errors import install_handlers
 from .guard import Guard, admin_routes, is_admin, uvicorn_config
 from .metrics import CONTENT_TYPE
 from .pool import Entry
@@ -113,14 +113,8 @@ def _generation_routes(app: FastAPI, state: ServerState) -> None:
     async def generate(http: HTTPRequest, body: CompletionRequest | ChatRequest, chat: bool) -> Response:
         if scoring.handles(body):  # logprobs, echo, several prompts or sequences: server/scoring.py
             return await scoring.respond(state, http, body, chat)
-        try:
+        with generation.counts_failure(state, body.model):
             job = await generation.start(state, body, chat)
-        except asyncio.CancelledError:
-            state.metrics.requests.labels(state.label(body.model), "499").inc()
-            raise
-        except Exception as e:
-            state.metrics.requests.labels(state.label(body.model), str(from_exception(e).status)).inc()
-            raise
         if body.stream:
             return _JobStream(job)
         result = await generation.collect(job, http)

@@ -13,7 +13,8 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -238,13 +239,27 @@ async def wait_disconnect(request: HTTPRequest) -> None:
             return
 
 
-async def _drain(job: Job) -> Any:
+async def drain(job: Job) -> Any:
+    """The job's completion once it is done (its error raised): for a caller that wants no chunks."""
     while True:
         kind, value = await job.queue.get()
         if kind == "done":
             return value
         if kind == "error":
             raise value
+
+
+@contextmanager
+def counts_failure(state: ServerState, model: str | None) -> Iterator[None]:
+    """Count a request that fails before it is served, as the error's status (499: the client left)."""
+    try:
+        yield
+    except asyncio.CancelledError:
+        state.metrics.requests.labels(state.label(model), "499").inc()
+        raise
+    except Exception as e:
+        state.metrics.requests.labels(state.label(model), str(from_exception(e).status)).inc()
+        raise
 
 
 async def until_client_leaves(work: Awaitable[T], http: HTTPRequest) -> asyncio.Future[T] | None:
@@ -286,7 +301,7 @@ async def finished(owner: Finishes, work: Awaitable[T], http: HTTPRequest) -> T 
 
 async def collect(job: Job, http: HTTPRequest) -> dict[str, Any] | None:
     """Wait for the whole completion and build the body; None (request cancelled) if the client left."""
-    completion = await finished(job, _drain(job), http)
+    completion = await finished(job, drain(job), http)
     return None if completion is None else _full_body(job, completion)
 
 
@@ -398,4 +413,4 @@ async def stream(job: Job) -> AsyncIterator[str]:
         job.finish(499)  # no-op when it finished above; otherwise the client went away
 
 
-__all__ = ["Job", "collect", "prompt_tokens", "sampling_args", "start", "stream", "submit_job", "wait_disconnect"]
+__all__ = ["Job", "collect", "counts_failure", "drain", "prompt_tokens", "sampling_args", "start", "stream", "submit_job", "wait_disconnect"]

@@ -153,31 +153,16 @@ async def _start(state: ServerState, body: CompletionRequest | ChatRequest, chat
 async def respond(state: ServerState, http: HTTPRequest, body: CompletionRequest | ChatRequest,
                   chat: bool) -> Response:
     """Serve one scoring or fan-out request, as JSON or as SSE."""
-    try:
+    with generation.counts_failure(state, body.model):
         group = await _start(state, body, chat)
-    except asyncio.CancelledError:
-        state.metrics.requests.labels(state.label(body.model), "499").inc()
-        raise
-    except Exception as e:
-        state.metrics.requests.labels(state.label(body.model), str(from_exception(e).status)).inc()
-        raise
     if body.stream:
         return _GroupStream(group)
     result = await _collect(group, http)
     return JSONResponse(result) if result is not None else Response(status_code=499)
 
 
-async def _drain(job: Job) -> Completion:
-    while True:
-        kind, value = await job.queue.get()
-        if kind == "done":
-            return value
-        if kind == "error":
-            raise value
-
-
 async def _collect(group: Group, http: HTTPRequest) -> dict[str, Any] | None:
-    completions = await generation.finished(group, asyncio.gather(*(_drain(j) for j in group.jobs)), http)
+    completions = await generation.finished(group, asyncio.gather(*(generation.drain(j) for j in group.jobs)), http)
     if completions is None:
         return None
     return await asyncio.to_thread(_full_body, group, completions, Pieces(group.state))
