@@ -346,14 +346,14 @@ def _constant_adapter(path, value, target="blk.0.attn_v.weight"):
 
 
 def _submitted_together(eng, specs):
-    """Streams for (prompt, loras, ignore_eos) specs, all queued while the engine waits, so that they
-    are admitted together and share their first decode."""
+    """Streams for (prompt, loras, ignore_eos[, max_tokens]) specs, all queued while the engine waits, so
+    that they are admitted together and share their first decode."""
     gate = threading.Event()
     held = eng.call_async(lambda: gate.wait(30))
     out = [None] * len(specs)
 
-    def submit(i, prompt, loras, ignore_eos):
-        out[i] = eng.stream(prompt, max_tokens=8, loras=loras, ignore_eos=ignore_eos)
+    def submit(i, prompt, loras, ignore_eos, max_tokens=8):
+        out[i] = eng.stream(prompt, max_tokens=max_tokens, loras=loras, ignore_eos=ignore_eos)
     threads = [threading.Thread(target=submit, args=(i, *spec)) for i, spec in enumerate(specs)]
     for t in threads:
         t.start()
@@ -380,12 +380,15 @@ def test_a_request_whose_adapter_overflows_the_kv_cache_cannot_break_the_others_
         eng.load_lora(hot, name="hot", scale=0.0)
         eng.load_lora(user, name="u", scale=0.0)
         others = [("the dog ran", {"u": 1.0}), ("hello there", {})]
-        solo = [eng.generate(p, max_tokens=8, loras=s, ignore_eos=True).tokens for p, s in others]
+        # the reference: the same batches, with a base-model request in the hot one's place that also ends
+        # after the first decode (greedy tokens are compared, so the batch shapes must match: numerics notes)
+        ref = _submitted_together(eng, [(PROMPT, {}, True, 1)] + [(p, s, True) for p, s in others])
+        reference = [s.consume().tokens for s in ref[1:]]
         streams = _submitted_together(eng, [(PROMPT, {"hot": 1.0}, False)] + [(p, s, True) for p, s in others])
         with pytest.raises(RequestFailed) as err:
             streams[0].consume()
         assert err.value.adapters == ["hot"] and "KV cache's range" in str(err.value)
-        assert [s.consume().tokens for s in streams[1:]] == solo
+        assert [s.consume().tokens for s in streams[1:]] == reference
         guard = eng.scheduler.guard
         assert guard.zeroed_tokens > 0 and eng.stats()["multi_seq_steps"] > 0
         assert eng.stats()["kv_guard_failures"] == 1 and eng.scheduler.snapshot()["kv_guarded_decodes"] > 0
@@ -395,10 +398,12 @@ def test_a_request_whose_adapter_overflows_the_kv_cache_cannot_break_the_others_
 
 
 @pytest.mark.parametrize("slots", [0, 2])
-def test_an_adapter_the_kv_bound_cannot_clear_is_checked_or_decoded_alone(tiny_model, tmp_path, slots):
+def test_an_adapter_the_kv_bound_cannot_clear_is_checked_or_decoded_alone(tiny_model, tmp_path, slots,
+                                                                          monkeypatch):
     """An adapter whose bound could leave F16's range but whose values stay inside: with the bank its
-    decodes run with the KV guard (nothing zeroed); without one (no eval callback) its sequences take
-    turns, one per decode, on the unified cache. Either way the tokens are those of a lone request."""
+    shared decodes run with the KV guard, which zeroes nothing and changes no token (against the same
+    batches without it); without one (no eval callback) its sequences take turns, one per decode, on the
+    unified cache."""
     from loramux.engine.kv_guard import KvGuard
     from loramux.engine.registry import AdapterSet
 
@@ -411,17 +416,22 @@ def test_an_adapter_the_kv_bound_cannot_clear_is_checked_or_decoded_alone(tiny_m
         g_kv, _ = guard.gains(eng.registry.get("mild"))
         scale = 2 * guard.risk_limit / (g_kv * guard.x_bound)  # twice the scale the bound clears
         assert guard.risky([AdapterSet(((eng.registry.get("mild"), scale),))])
-        prompts = ["the cat sat", "a dog ran in"]
-        solo = [eng.generate(p, max_tokens=6, loras={"mild": scale}, ignore_eos=True).tokens for p in prompts]
+
+        def pair():
+            streams = _submitted_together(eng, [(p, {"mild": scale}, True, 6) for p in ("the cat sat", "a dog ran")])
+            return [s.consume().tokens for s in streams]
         steps = eng.stats()["multi_seq_steps"]
-        got = [c.tokens for c in eng.generate_many(prompts, loras=[{"mild": scale}] * 2, max_tokens=6,
-                                                    ignore_eos=True)]
-        assert got == solo
-        assert isinstance(guard, KvGuard) and guard.zeroed_tokens == 0
         if slots:
-            assert guard.guarded_decodes > 0 and eng.stats()["multi_seq_steps"] > steps
+            with monkeypatch.context() as m:
+                m.setattr(KvGuard, "risky", lambda self, sets: False)
+                reference = pair()  # the same batches, unguarded
+            before = guard.guarded_decodes
+            assert pair() == reference
+            assert guard.guarded_decodes > before and eng.stats()["multi_seq_steps"] > steps
         else:
+            assert [len(t) for t in pair()] == [6, 6]
             assert not guard.available and eng.stats()["multi_seq_steps"] == steps
+        assert guard.zeroed_tokens == 0
     finally:
         eng.close()
 
