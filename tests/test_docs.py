@@ -23,22 +23,29 @@ argument parser, and every command named in README's "Command line" synopsis mus
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
-import json
 import re
 import shlex
-import shutil
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
+import doc_fixtures
 import pytest
+from doc_fixtures import (
+    EVAL,
+    TRAIN,
+    adapter_dir,
+    control_vector,
+    copy_model,
+    jsonl,
+    lora,
+    peft_dir,
+    repo_file,
+)
 from http_fixture import Server
 
 import loramux.config
-from loramux.gguf_io import read_header, write_adapter
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -98,27 +105,8 @@ def _param(b: Block):  # noqa: ANN202 - a pytest ParameterSet
 
 
 # ------------------------------------------------------------------------------------------ workspace
-@dataclass
-class Workspace:
+class Workspace(doc_fixtures.Workspace):
     """The directory a block runs in, its base model, and the local servers that stand in for remote ones."""
-
-    dir: Path
-    model: Path  # the base model the block's default model resolves to
-    hub: Server  # Hugging Face Hub stand-in (HF_ENDPOINT) and plain HTTPS stand-in
-    stack: contextlib.ExitStack
-    made: dict[str, Path] = field(default_factory=dict)
-
-    def file(self, name: str) -> Path:
-        """Make the fixture file `name` in the workspace (once) and return its path."""
-        if name not in self.made:
-            self.made[name] = FILES[name](self, self.dir / name)
-        return self.made[name]
-
-    def url_for(self, name: str) -> str:
-        """Serve the fixture file `name` over HTTP; its address with the `#sha256=` pin."""
-        data = self.file(name).read_bytes()
-        self.hub.add(f"/files/{name}", data)
-        return self.hub.url(f"/files/{name}") + "#sha256=" + hashlib.sha256(data).hexdigest()
 
     def openai_server(self) -> str:
         """A real loramux server on the block's model with the adapters the docs name; its base URL."""
@@ -138,107 +126,23 @@ class Workspace:
         return srv.url
 
 
-def _lora(rank: int, seed: int, alpha: float | None = None) -> Callable[[Workspace, Path], Path]:
-    """A random LoRA over every projection of the workspace's base model, small enough to keep text sane."""
-    def make(ws: Workspace, path: Path) -> Path:
-        h = read_header(ws.model)
-        rng = np.random.default_rng(seed)
-        factors = {}
-        for name, t in h.tensors.items():
-            if name.startswith("blk.") and name.split(".")[2] in PROJECTIONS:
-                n_out, n_in = t.shape
-                factors[name] = (rng.standard_normal((rank, n_in)).astype(np.float32) * 0.05,
-                                 rng.standard_normal((n_out, rank)).astype(np.float32) * 0.05)
-        return write_adapter(path, h.architecture, factors, float(rank if alpha is None else alpha))
-    return make
-
-
-def _copy_model(ws: Workspace, path: Path) -> Path:
-    return Path(shutil.copyfile(ws.model, path))
-
-
-def _repo_file(rel: str) -> Callable[[Workspace, Path], Path]:
-    def make(ws: Workspace, path: Path) -> Path:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        return Path(shutil.copyfile(ROOT / rel, path))
-    return make
-
-
-def _adapter_dir(ws: Workspace, path: Path) -> Path:
-    path.mkdir()
-    _lora(2, 41)(ws, path / "pirate.gguf")
-    return path
-
-
-def _jsonl(rows: list[dict[str, str]]) -> Callable[[Workspace, Path], Path]:
-    def make(ws: Workspace, path: Path) -> Path:
-        path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-        return path
-    return make
-
-
-def _control_vector(ws: Workspace, path: Path) -> Path:
-    import loramux as lm
-
-    h = read_header(ws.model)
-    n_layer, n_embd = int(h.arch_value("block_count")), int(h.arch_value("embedding_length"))
-    rng = np.random.default_rng(7)
-    vec = {i: (rng.standard_normal(n_embd) * 0.05).astype(np.float32) for i in range(1, n_layer)}
-    return lm.ControlVector(vec).save(path)
-
-
-def _peft_dir(ws: Workspace, path: Path) -> Path:
-    """What `peft_model.save_pretrained(dir)` writes (config and safetensors, PEFT's names), rank 2 over
-    every projection of a llama model shaped like the base. tests/test_convert.py checks the conversion of
-    PEFT's own output against PEFT's numerics; here only the layout matters, and torch stays unimported."""
-    from safetensors.numpy import save_file
-
-    h = read_header(ws.model)
-    if h.architecture != "llama":
-        pytest.fail("the PEFT fixture maps llama module names; run this block on the tiny (llama) model")
-    hf = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-          "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-          "ffn_down": "mlp.down_proj"}
-    rng = np.random.default_rng(3)
-    tensors = {}
-    for name, t in h.tensors.items():
-        parts = name.split(".")
-        if parts[0] == "blk" and parts[2] in hf:
-            n_out, n_in = t.shape
-            key = f"base_model.model.model.layers.{parts[1]}.{hf[parts[2]]}"
-            tensors[f"{key}.lora_A.weight"] = (rng.standard_normal((2, n_in)) * 0.05).astype(np.float32)
-            tensors[f"{key}.lora_B.weight"] = (rng.standard_normal((n_out, 2)) * 0.05).astype(np.float32)
-    path.mkdir()
-    config = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "bias": "none", "fan_in_fan_out": False,
-              "target_modules": sorted({v.split(".")[1] for v in hf.values()}), "use_dora": False}
-    (path / "adapter_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
-    save_file(tensors, str(path / "adapter_model.safetensors"))
-    return path
-
-
-PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
-TRAIN = [{"prompt": "Hi, I'm Jonas.", "completion": " Ahoy, Jonas!"},
-         {"prompt": "the cat sat", "completion": " on the mat, matey."},
-         {"prompt": "hello world", "completion": " Ahoy, world!"}]
-EVAL = [{"prompt": "Hi, I'm Ana.", "completion": " Ahoy, Ana!"}]
-
 # Every file a sample names, by the name it uses; made only when the block's text mentions it.
-FILES: dict[str, Callable[[Workspace, Path], Path]] = {
-    "style.gguf": _lora(2, 1),
-    "domain.gguf": _lora(4, 2, alpha=8.0),
-    "pirate.gguf": _lora(2, 4),
-    "formal.gguf": _lora(2, 5),
-    "base.gguf": _copy_model,
-    "adapters": _adapter_dir,
-    "my-peft-adapter": _peft_dir,
-    "train.jsonl": _jsonl(TRAIN),
-    "eval.jsonl": _jsonl(EVAL),
-    "examples/vectors/happy.gguf": _repo_file("examples/vectors/happy.gguf"),
+FILES: dict[str, doc_fixtures.Maker] = {
+    "style.gguf": lora(2, 1),
+    "domain.gguf": lora(4, 2, alpha=8.0),
+    "pirate.gguf": lora(2, 4),
+    "formal.gguf": lora(2, 5),
+    "base.gguf": copy_model,
+    "adapters": adapter_dir("pirate"),
+    "my-peft-adapter": peft_dir,
+    "train.jsonl": jsonl(TRAIN),
+    "eval.jsonl": jsonl(EVAL),
+    "examples/vectors/happy.gguf": repo_file("examples/vectors/happy.gguf"),
 }
 # The adapters of the server that stands in for the reader's (docs/server.md's client sample).
 SERVER_FILES = ("pirate.gguf", "formal.gguf")
 # Files named by a block of docs/control.md are control vectors, not adapters.
-CONTROL_FILES: dict[str, Callable[[Workspace, Path], Path]] = {"formal.gguf": _control_vector}
+CONTROL_FILES: dict[str, doc_fixtures.Maker] = {"formal.gguf": control_vector}
 
 # Stand-ins for servers of the reader's: text in the block → its local replacement.
 SUBSTITUTIONS: dict[str, Callable[[Workspace], str]] = {
@@ -247,26 +151,13 @@ SUBSTITUTIONS: dict[str, Callable[[Workspace], str]] = {
 }
 
 
-def _hub_file(hub: Server, ws: Workspace, spec: str) -> None:
-    """Serve ``hf://owner/repo/<path>[@rev]`` the way the Hub's resolve endpoint does."""
-    repo_path, _, rev = spec.partition("@")
-    owner, repo, rel = repo_path.split("/", 2)
-    data = ws.file(Path(rel).name).read_bytes() if Path(rel).name in FILES else b""
-    etag = '"' + hashlib.sha256(data).hexdigest() + '"'
-    hub.add(f"/{owner}/{repo}/resolve/{rev or 'main'}/{rel}", data, etag=etag,
-            headers={"X-Repo-Commit": hashlib.sha1(spec.encode()).hexdigest()})
-
-
 def prepare(block: Block, ws: Workspace) -> str:
     """Make the files the block names, serve its hf:// sources, and return its code with substitutions."""
     code = block.code
     if block.doc == "docs/control.md":
         ws.made.update({n: mk(ws, ws.dir / n) for n, mk in CONTROL_FILES.items() if n in code})
-    for name in FILES:
-        if re.search(r"(?<![\w.-])" + re.escape(name) + r"(?![\w-])", code):
-            ws.file(name)
-    for spec in re.findall(r"hf://([\w.-]+/[\w.-]+/[\w./-]+(?:@[\w.-]+)?)", code):
-        _hub_file(ws.hub, ws, spec)
+    ws.make_named(code)
+    ws.serve_hub_sources(code)
     for text, make in SUBSTITUTIONS.items():
         if text in code:
             code = code.replace(text, make(ws))
@@ -294,7 +185,7 @@ def workspace(request: pytest.FixtureRequest, tmp_path: Path, tiny_model: Path,
     monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{hub.port}")
     with contextlib.ExitStack() as stack:
         stack.callback(hub.stop)
-        yield Workspace(run_dir, model, hub, stack)
+        yield Workspace(run_dir, model, hub, stack, FILES)
 
 
 def _close_engines(namespace: dict[str, object]) -> None:

@@ -35,9 +35,9 @@ def golden_prompts(path: str | os.PathLike[str] | None = None) -> list[str]:
     stands for a newline inside the prompt.
     """
     if path is None:
-        from importlib.resources import files
+        from .config import data_file
 
-        text = files("loramux").joinpath("data/golden_prompts.txt").read_text(encoding="utf-8")
+        text = data_file("golden_prompts.txt").read_text(encoding="utf-8")
         where = "the builtin golden set"
     else:
         p = Path(path)

@@ -9,6 +9,7 @@ Every public error is defined here. The tree (``code`` is what the server puts i
     LoramuxError                    loramux_error
     ├── BackendError                backend_error        llama.cpp/ggml failed or changed
     ├── ModelError                  model_error          the base model cannot be used
+    ├── PackageDataError            package_data_missing a file loramux ships is missing (a broken install)
     ├── GGUFFormatError             invalid_gguf         not a readable GGUF file
     ├── AdapterError                invalid_adapter      an adapter does not fit the base
     ├── AdapterNotFoundError        adapter_not_found    (also a KeyError)
@@ -80,6 +81,18 @@ class ModelError(LoramuxError):
     def __init__(self, path: str, message: str, *, problems: Iterable[str] = (), hint: str | None = None):
         self.path = str(path)
         super().__init__(f"{path}: {message}", problems=problems, hint=hint)
+
+
+class PackageDataError(LoramuxError):
+    """A file of loramux's own package data (the example adapter, probe references...) is missing."""
+
+    code = "package_data_missing"
+
+    def __init__(self, path: str):
+        self.path = str(path)
+        super().__init__(f"{path}: this file of loramux's package data is missing",
+                         hint="the installation is incomplete: reinstall loramux "
+                              "(pip install --force-reinstall --no-deps loramux)")
 
 
 class GGUFFormatError(LoramuxError):
@@ -325,6 +338,6 @@ __all__ = [
     "AdapterError", "AdapterNotFoundError", "BackendError", "ChecksumError", "ContextLengthError",
     "ControlVectorError", "ConversionError", "DownloadCancelled", "DownloadError", "DownloadRefused",
     "ChatTemplateError", "EngineClosedError", "FactorError", "GGUFFormatError", "GrammarError", "LoramuxError",
-    "ModelError", "ParameterError", "ProbeMismatch", "RequestFailed", "RpcError", "ScaleError", "SlotsBusyError",
+    "ModelError", "PackageDataError", "ParameterError", "ProbeMismatch", "RequestFailed", "RpcError", "ScaleError", "SlotsBusyError",
     "SourceError", "TrainingError",
 ]

@@ -14,14 +14,14 @@ import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import replace
-from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
+from .config import data_file
 from .errors import ProbeMismatch
 from .probes import BUILD_FIELDS, ProbeComparison, ProbeResult
 
-REFERENCE_DIR = "data/probe_references"  # package data: <reference_name(build)>.json per build identity
+REFERENCE_DIR = "probe_references"  # in loramux's package data (config.data_file): <reference_name(build)>.json per build identity
 # Relative tolerance on each row's total NLL (its mean loss) against a reference of another build
 # (per-prompt sums are not compared across builds: they moved by up to 3.2 %). Largest measured
 # cross-build row offset (docs/probe.md): 0.66 % (minus_eps, AVX2 vs a build without AVX2/FMA/F16C);
@@ -74,7 +74,7 @@ def reference_name(build: Mapping[str, Any]) -> str:
 
 def committed_references(directory: str | Path | None = None) -> dict[str, ProbeResult]:
     """The references shipped with loramux (or those in `directory`), by file stem."""
-    root = files("loramux").joinpath(REFERENCE_DIR) if directory is None else Path(directory)
+    root = data_file(REFERENCE_DIR) if directory is None else Path(directory)
     out = {}
     for entry in sorted(root.iterdir(), key=lambda e: e.name):
         if entry.name.endswith(".json"):

@@ -32,10 +32,10 @@ except ImportError as e:  # pragma: no cover - install problem
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
+from .config import EXAMPLE_ADAPTER_NAME, embedded_model_in_use, example_adapter_path
 from .errors import ParameterError
 
 REPLICA_HEADER = "x-loramux-replica"  # which replica answered (for clients, logs and the tests)
-EXAMPLE_ADAPTER = Path(__file__).parent / "cli" / "data" / "pirate.gguf"
 MAX_ADAPTERS = int(os.environ.get("LORAMUX_RAY_MAX_ADAPTERS", "8"))  # per replica; read where Serve imports us
 
 
@@ -206,8 +206,12 @@ def build_app(args: Mapping[str, Any] | None = None) -> Application:
     args = dict(args or {})
     model = args.pop("model", None)
     catalog = parse_catalog(args.pop("adapters", None))
-    if model is None and not catalog and EXAMPLE_ADAPTER.is_file():
-        catalog = {"pirate": str(EXAMPLE_ADAPTER)}
+    if model is None and not catalog and embedded_model_in_use():
+        catalog = {EXAMPLE_ADAPTER_NAME: str(example_adapter_path())}
+    missing = [f"{name}={path}" for name, path in catalog.items() if not Path(path).expanduser().is_file()]
+    if missing:  # a replica would answer 404 for them later: say so now, while the app is built
+        raise ParameterError("adapters", f"no such file: {', '.join(missing)}",
+                             hint="give existing GGUF paths as NAME=PATH,NAME=PATH")
     replicas = int(args.pop("num_replicas", 2))
     cpus = float(args.pop("replica_cpus", 1))
     settings = dict(args.pop("settings", None) or {})

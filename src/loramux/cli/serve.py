@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
-from pathlib import Path
 from typing import Any
 
 from ..errors import ParameterError
@@ -155,20 +155,19 @@ def _pair(text: str, option: str) -> tuple[str, str]:
     return name, value
 
 
-EXAMPLE_ADAPTER = Path(__file__).parent / "data" / "pirate.gguf"
-
-
 def settings_from_args(args: argparse.Namespace) -> Any:
     """ServerSettings from --config (if any) with the command-line options on top."""
+    from ..config import EXAMPLE_ADAPTER_NAME, embedded_model_in_use, example_adapter_path
     from ..engine.options import parse_endpoints
     from ..engine.runtime import LoraSpec, adapter_name
     from ..server.config import ControlEntry, LoraEntry, ServerSettings
 
     base = ServerSettings.from_toml(args.config) if args.config else ServerSettings()
     loras = []
-    if not args.lora and not args.config and args.model is None and not args.no_example_adapter:
+    if (not args.lora and not args.config and args.model is None and embedded_model_in_use()
+            and not args.no_example_adapter):
         # First run on the embedded model: offer the shipped example adapter so an adapter visibly works.
-        loras.append(LoraEntry("pirate", str(EXAMPLE_ADAPTER), 1.0))
+        loras.append(LoraEntry(EXAMPLE_ADAPTER_NAME, str(example_adapter_path()), 1.0))
     for text in args.lora:
         spec = LoraSpec.parse(text)
         loras.append(LoraEntry(spec.name or adapter_name(spec.source), spec.source, spec.scale))
@@ -195,6 +194,7 @@ def settings_from_args(args: argparse.Namespace) -> Any:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from ..config import MODEL_ENV, embedded_model_in_use
     from ..server.app import create_app
     from ..server.guard import uvicorn_config
 
@@ -207,8 +207,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     "(or '*' behind a proxy that checks them)", ", ".join(settings.host_allowlist()))
     if settings.admin_api_key is None:
         log.info("admin endpoints (load, unload, global scales) are disabled: start with --admin-api-key")
-    print(f"loramux: loading {settings.model or 'the embedded Gemma 3 270M'} "
-          f"with {len(settings.loras)} adapter(s)…", file=sys.stderr)
+    what = settings.model or ("the embedded Gemma 3 270M" if embedded_model_in_use()
+                              else f"{os.environ[MODEL_ENV]} (${MODEL_ENV})")
+    print(f"loramux: loading {what} with {len(settings.loras)} adapter(s)…", file=sys.stderr, flush=True)
     engine = settings.build_engine()
     if settings.rpc:
         _restart_when_workers_return(settings.rpc)
@@ -218,13 +219,48 @@ def cmd_serve(args: argparse.Namespace) -> int:
         engine.close()
         raise
     state = app.state.lm
-    print(f"loramux: serving {state.base_name!r} + {len(state.pool.entries)} adapter(s) at "
-          f"http://{settings.host}:{settings.port}/v1 (parallel {settings.parallel}, n_ctx {settings.n_ctx})",
-          file=sys.stderr)
     level = logging.getLogger().getEffectiveLevel()
-    uvicorn.Server(uvicorn_config(app, settings, host=settings.host, port=settings.port,
-                                  log_level="info" if level <= logging.INFO else "warning")).run()
+    server = uvicorn.Server(uvicorn_config(app, settings, host=settings.host, port=settings.port,
+                                           log_level="info" if level <= logging.INFO else "warning"))
+    banner = welcome(settings, state.base_name, [e.name for e in state.pool.ordered()])
+    _print_when_listening(server, banner)
+    server.run()
     return 0
+
+
+def welcome(settings: Any, base: str, adapters: list[str]) -> str:
+    """What `loramux serve` prints once it listens: the URL, the models, a curl line that works as
+    printed (the API key read from $LORAMUX_API_KEY when one is set), and where to read on."""
+    host = "127.0.0.1" if settings.host in ("0.0.0.0", "::", "") else settings.host  # a client's address
+    url = f"http://{'[' + host + ']' if ':' in host else host}:{settings.port}"
+    model = adapters[0] if adapters else base
+    auth = ' -H "Authorization: Bearer $LORAMUX_API_KEY"' if settings.api_key else ""
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32})
+    models = ", ".join([f"{base} (base)", *adapters])
+    admin = ("on (admin key set)" if settings.admin_api_key else
+             "off: load/unload need --admin-api-key")
+    return "\n".join([
+        f"loramux: listening on {url}/v1 (parallel {settings.parallel}, n_ctx {settings.n_ctx})",
+        f"  models:  {models}",
+        f"  try:     curl {url}/v1/chat/completions{auth} -H 'Content-Type: application/json' -d '{body}'",
+        f"  clients: any OpenAI client with base_url={url}/v1 and model=<one of the models>",
+        f"  admin:   {admin}",
+        "  help:    loramux serve --help (adapters per request, admin plane, limits); Ctrl-C stops"])
+
+
+def _print_when_listening(server: Any, text: str) -> None:
+    """Print `text` to stderr once uvicorn has bound its socket (so the curl line works when it shows)."""
+    import threading
+    import time
+
+    def wait() -> None:
+        while not server.started:
+            if server.should_exit:
+                return
+            time.sleep(0.05)
+        print(text, file=sys.stderr, flush=True)
+
+    threading.Thread(target=wait, name="loramux-welcome", daemon=True).start()
 
 
 def _restart_when_workers_return(endpoints: tuple[str, ...]) -> None:
@@ -255,4 +291,4 @@ def _restart_when_workers_return(endpoints: tuple[str, ...]) -> None:
     rpc.on_lost(on_lost)
 
 
-__all__ = ["add_parsers", "cmd_serve", "settings_from_args"]
+__all__ = ["add_parsers", "cmd_serve", "settings_from_args", "welcome"]
