@@ -153,6 +153,8 @@ COMMANDS: dict[str, Case] = {
     # `loramux probe --help`
     "loramux probe --threads 2 --write ref.json": Case(r"^wrote ref\.json$"),
     "loramux probe --threads 2 --check ref.json": Case(r"^probe matches ref\.json \(exact"),
+    # on the tiny model no shipped reference fits: the refusal; tests/test_package.py checks the default model
+    "loramux probe --threads 2 --check shipped": Case(r"no committed probe reference is for this model file", rc=2),
     "loramux probe base.gguf --lora my-adapter.gguf --markdown": Case(r"^\| `base` \| no adapter \|"),
     # `loramux drift --help`
     "loramux drift --lora style.gguf": Case(r"^mean KL\(base ‖ adapter\) = "),

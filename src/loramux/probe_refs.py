@@ -98,16 +98,14 @@ def nearest_reference(run: ProbeResult, refs: Mapping[str, ProbeResult]
     return best
 
 
-def check_committed(run: ProbeResult, refs: Mapping[str, ProbeResult] | None = None,
-                    rtol: float = CROSS_BUILD_RTOL) -> ProbeComparison:
-    """Check `run` against the committed references: exactly against the one of its own build if there
-    is one, else within `rtol` against the nearest one. Either way the run's within-run invariants
-    must hold. Returns what was compared (`.reference` is the reference's name); raises ProbeMismatch
-    on any difference, and when no reference is for this model file and probe setup."""
+def pick_reference(run: ProbeResult, refs: Mapping[str, ProbeResult] | None = None) -> tuple[str, ProbeResult, bool]:
+    """The committed reference to check `run` against: (name, reference, True) for the one of its own build,
+    else (name, reference, False) for the nearest one. Raises ProbeMismatch when none is for this model file
+    and probe setup."""
     refs = committed_references() if refs is None else refs
     for name in sorted(refs):
         if not run.foreign_keys(refs[name]):
-            return replace(run.check(refs[name]), reference=name)
+            return name, refs[name], True
     near = nearest_reference(run, refs)
     if near is None:
         raise ProbeMismatch(
@@ -115,9 +113,18 @@ def check_committed(run: ProbeResult, refs: Mapping[str, ProbeResult] | None = N
             problems=[f"{n}: " + "; ".join(run.foreign_fields(r)) for n, r in sorted(refs.items())],
             hint="the committed references are for loramux's default model; write one for your model with "
                  "`loramux probe MODEL --write REF.json` and check against it")
-    name, ref, _ = near
-    return replace(run.check(ref, rtol), reference=name)
+    return near[0], near[1], False
+
+
+def check_committed(run: ProbeResult, refs: Mapping[str, ProbeResult] | None = None,
+                    rtol: float = CROSS_BUILD_RTOL) -> ProbeComparison:
+    """Check `run` against the committed references: exactly against the one of its own build if there
+    is one, else within `rtol` against the nearest one. Either way the run's within-run invariants
+    must hold. Returns what was compared (`.reference` is the reference's name); raises ProbeMismatch
+    on any difference, and when no reference is for this model file and probe setup."""
+    name, ref, own = pick_reference(run, refs)
+    return replace(run.check(ref) if own else run.check(ref, rtol), reference=name)
 
 
 __all__ = ["CROSS_BUILD_RTOL", "REFERENCE_DIR", "check_committed", "committed_references", "identity_distance",
-           "nearest_reference", "reference_name", "system_features"]
+           "nearest_reference", "pick_reference", "reference_name", "system_features"]

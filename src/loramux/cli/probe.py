@@ -9,9 +9,11 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ParameterError, ProbeMismatch
-from ..probe_refs import reference_name
+from ..probe_refs import CROSS_BUILD_RTOL, pick_reference, reference_name
 from ..probes import ProbeResult, probe
 from .common import add_model_args
+
+SHIPPED = "shipped"  # --check shipped: the references in loramux's package data
 
 
 def cmd_probe(args: argparse.Namespace) -> int:
@@ -29,10 +31,19 @@ def cmd_probe(args: argparse.Namespace) -> int:
         if spec.scale != 1.0:
             raise ParameterError("--lora", f"the probe applies its adapter at scale 1.0; drop ':{spec.scale:g}'")
         lora = spec.source
-    ref = ProbeResult.load(args.check) if args.check else None
+    ref = ProbeResult.load(args.check) if args.check and args.check != SHIPPED else None
     # --n-ctx is not passed on: the probe's context is fixed (256) so its numbers depend on nothing else.
     result = probe(args.model, lora, threads=args.threads, n_gpu_layers=args.gpu_layers, progress=None,
                    use_mmap=not args.no_mmap)
+    rtol, label = args.rtol, args.check
+    if args.check == SHIPPED:  # the reference of this build if loramux ships one, else the nearest build's
+        try:
+            name, ref, own = pick_reference(result)
+        except ProbeMismatch as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        label = f"the shipped reference {name}"
+        rtol = rtol if own or rtol else CROSS_BUILD_RTOL
     if args.json:
         sys.stdout.write(result.to_json())
     else:
@@ -41,13 +52,13 @@ def cmd_probe(args: argparse.Namespace) -> int:
             print(f"[{result.run['elapsed_s']:.2f} s]", file=sys.stderr)
     if ref is not None:
         try:
-            cmp = result.check(ref, args.rtol)
+            cmp = result.check(ref, rtol)
         except ProbeMismatch as e:
             print(f"error: {e}", file=sys.stderr)
             return 1 if not getattr(e, "foreign", None) else 2
         how = "exact" if cmp.exact else f"rtol {cmp.rtol:g}"
         across = "".join(f"\n  - {f}" for f in cmp.foreign)
-        print(f"probe matches {args.check} ({how}; {cmp.values} values, largest relative offset {cmp.max_offset:.2e}"
+        print(f"probe matches {label} ({how}; {cmp.values} values, largest relative offset {cmp.max_offset:.2e}"
               + (f"; reference from another build:{across})" if across else ")"), file=sys.stderr)
         return 0
     if result.violations:
@@ -75,6 +86,7 @@ def add_parsers(sub: Any) -> None:
         epilog="examples:\n  loramux probe --threads 2 --write ref.json\n  loramux probe --threads 2 --check ref.json\n"
                "  loramux probe --threads 2 --check other-build.json --rtol 0.02\n"
                "  loramux probe base.gguf --lora my-adapter.gguf --markdown\n"
+               "  loramux probe --threads 2 --check shipped           # this install against loramux's own\n"
                "exit codes: 0 ok, 1 rows moved or invariants broken, 2 reference refused (other build without "
                "--rtol, other model or setup) or bad input",
         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -82,7 +94,10 @@ def add_parsers(sub: Any) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--write", metavar="REF.json",
                    help="write this run as the reference for this build (a directory: named after the build)")
-    g.add_argument("--check", metavar="REF.json", help="compare with a reference of the same build; exit 1 if a row moved")
+    g.add_argument("--check", metavar="REF.json",
+                   help="compare with a reference of the same build; exit 1 if a row moved. 'shipped': the "
+                        "references that ship with loramux (the default model), exactly for this build's "
+                        "own, else within --rtol (default 0.02) of the nearest build's")
     p.add_argument("--rtol", type=float, default=0.0,
                    help="relative tolerance for --check (default 0: exact, as one build is bit-identical); "
                         "with it a reference from another build is compared instead of refused")
