@@ -253,7 +253,7 @@ def test_server_survives_a_dead_worker_and_recovers_when_it_is_back(rpc_python, 
 
 
 # ------------------------------------------------------------------- a hostile peer of a caching worker
-RPC_TENSOR = struct.Struct("<QI4xQ4I4II16ii10QQQQ64si4x")  # ggml-rpc's rpc_tensor (304 bytes)
+RPC_TENSOR = struct.Struct("<QIQ4I4II16ii10QQQQ64si")  # ggml-rpc's rpc_tensor (packed: 296 bytes)
 CMD_ALLOC_BUFFER, CMD_BUFFER_GET_BASE, CMD_SET_TENSOR, CMD_DEVICE_COUNT = 0, 3, 6, 15
 
 
@@ -282,7 +282,7 @@ def _cached_uploads(endpoint: str, blobs: list[bytes]) -> None:
     with socket.create_connection((host, int(port)), timeout=30) as s:
         _call(s, N.RPC_HELLO, bytes(N.RPC_CONN_CAPS), 4 + N.RPC_CONN_CAPS)
         size = max(len(b) for b in blobs)
-        buf, _ = struct.unpack("<QQ", _call(s, CMD_ALLOC_BUFFER, struct.pack("<I4xQ", 0, size), 16))
+        buf, _ = struct.unpack("<QQ", _call(s, CMD_ALLOC_BUFFER, struct.pack("<IQ", 0, size), 16))
         (base,) = struct.unpack("<Q", _call(s, CMD_BUFFER_GET_BASE, struct.pack("<Q", buf), 8))
         for blob in blobs:
             n = len(blob)
