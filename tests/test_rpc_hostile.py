@@ -127,3 +127,10 @@ def test_wait_for_workers_outlives_hostile_peers():
     with peer(good_hello) as ep:
         assert _probe(ep, timeout=5) == (N.RPC_PROTO_MAJOR, 0, 0)
         assert rpc.wait_for_workers([ep], interval=0.1, timeout=30) is True
+
+
+def test_a_malformed_endpoint_is_a_typed_error():
+    for bad in ("nohost", "h:", ":5", "h:0", "h:99999", "h:x"):
+        with pytest.raises(RpcError) as e:
+            rpc.probe(bad, timeout=1)
+        assert e.value.reason == "invalid" and "HOST:PORT" in str(e.value), bad

@@ -46,6 +46,8 @@ def probe(endpoint: str, timeout: float = PROBE_TIMEOUT_S) -> tuple[int, int, in
     reads more than HELLO_REPLY_MAX bytes (the reply's size comes from the peer).
     """
     host, _, port = endpoint.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise RpcError(endpoint, "invalid", "is not HOST:PORT", hint="give the worker as host:port, e.g. 10.0.0.2:50052")
     deadline = time.monotonic() + timeout
     try:
         with socket.create_connection((host, int(port)), timeout=timeout) as s:
