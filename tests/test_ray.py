@@ -3,7 +3,9 @@
 Ray's model multiplexing sends a request for adapter X to the replica that already holds X; the
 response header names the replica that answered. Killing that replica is survived: the next requests
 for X are answered (by the other replica, or the one Serve's controller starts in its place), with the
-same greedy text. Ray runs with 2 CPUs and a small object store and is shut down at the end.
+same greedy text. The ingress checks the API key and the body size itself, so a request without the key
+or with an oversized body never reaches a replica (and never makes one load an adapter). Ray runs with 2
+CPUs and a small object store and is shut down at the end.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import socket
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 ray = pytest.importorskip("ray")
@@ -22,6 +25,8 @@ from loramux.ray import REPLICA_HEADER, build_app, parse_catalog  # noqa: E402
 
 pytestmark = pytest.mark.slow
 APP = "loramux"
+KEY = "ray-key"
+MAX_BODY = 1 << 20  # ServerSettings' default max_body_bytes, the same as `loramux serve --max-body-bytes`
 
 
 def _free_port() -> int:
@@ -40,9 +45,9 @@ def cluster(tiny_dir: Path):
         app = build_app({"model": str(tiny_dir / "tiny.gguf"),
                          "adapters": {"a": str(tiny_dir / "a.gguf"), "b": str(tiny_dir / "b.gguf")},
                          "num_replicas": 2, "replica_cpus": 0.5,
-                         "settings": {"parallel": 2, "n_ctx": 256, "slots": 2, "slot_rank": 4}})
+                         "settings": {"parallel": 2, "n_ctx": 256, "slots": 2, "slot_rank": 4, "api_key": KEY}})
         serve.run(app, name=APP, route_prefix="/")
-        yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
+        yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=60)
     finally:
         try:
             serve.shutdown()
@@ -60,6 +65,27 @@ def _settled(client, model: str) -> tuple[str, str]:
     first = _ask(client, model)
     time.sleep(3)
     return first
+
+
+def test_the_ingress_refuses_before_any_replica_sees_the_request(cluster):
+    """No key, a wrong key, an oversized body (declared, or chunked without a length): the ingress
+    answers itself (no x-loramux-replica header: no replica was called, so none loaded an adapter)."""
+    url = str(cluster.base_url).rstrip("/")
+    ask = {"model": "b", "prompt": "the cat", "max_tokens": 2}
+    with httpx.Client(timeout=60) as h:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Bearer " + KEY + "x"}):
+            r = h.post(url + "/completions", json=ask, headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
+            assert REPLICA_HEADER not in r.headers, r.headers
+        auth = {"Authorization": "Bearer " + KEY, "Content-Type": "application/json"}
+        big = b'{"model": "b", "prompt": "' + b"x" * MAX_BODY + b'"}'
+        chunked = (big[i:i + 65536] for i in range(0, len(big), 65536))  # no content-length
+        for content in (big, chunked):
+            r = h.post(url + "/completions", content=content, headers=auth)
+            assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text[:300]
+            assert REPLICA_HEADER not in r.headers, r.headers
+        r = h.post(url + "/completions", json=ask, headers=auth)  # the key passes
+        assert r.status_code == 200 and r.headers[REPLICA_HEADER], r.text
 
 
 def test_requests_for_an_adapter_stick_to_the_replica_that_holds_it(cluster):

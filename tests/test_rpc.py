@@ -10,7 +10,9 @@ killed at its end.
   together through the slot bank (its device-memory mask path: the nodes are on the workers);
 - a worker that is not there is a typed RpcError at load, not llama.cpp's abort;
 - a worker that dies under a server: requests get a typed 503 (rpc_unavailable), and once the worker is
-  back the server has restarted itself and answers as before.
+  back the server has restarted itself and answers as before;
+- `rpc-worker --cache` against a hostile peer that asks ggml-rpc to cache every upload: the cache
+  directory stays within --cache-max-files (loramux's keeper), every entry named by ggml-rpc's hash.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import json
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -29,6 +32,7 @@ import pytest
 from loramux import _native as N
 from loramux.engine import rpc
 from loramux.engine.options import EngineOptions
+from loramux.engine.rpc_cache import MANIFEST
 from loramux.errors import ParameterError, RpcError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -70,8 +74,8 @@ def _free_port() -> int:
 class Worker:
     """`loramux rpc-worker` on 127.0.0.1:port, as a subprocess."""
 
-    def __init__(self, python: str, port: int, log: Path) -> None:
-        self.python, self.port, self.log = python, port, log
+    def __init__(self, python: str, port: int, log: Path, extra: tuple[str, ...] = ()) -> None:
+        self.python, self.port, self.log, self.extra = python, port, log, extra
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -81,7 +85,7 @@ class Worker:
     def start(self) -> Worker:
         with open(self.log, "ab") as f:
             self.proc = subprocess.Popen([self.python, "-m", "loramux", "rpc-worker", "--port", str(self.port),
-                                          "--threads", "1"], stdout=f, stderr=subprocess.STDOUT, env=_env())
+                                          "--threads", "1", *self.extra], stdout=f, stderr=subprocess.STDOUT, env=_env())
         deadline = time.monotonic() + 60
         while True:
             try:
@@ -246,3 +250,71 @@ def test_server_survives_a_dead_worker_and_recovers_when_it_is_back(rpc_python, 
             except subprocess.TimeoutExpired:
                 server.kill()
                 server.wait(30)
+
+
+# ------------------------------------------------------------------- a hostile peer of a caching worker
+RPC_TENSOR = struct.Struct("<QIQ4I4II16ii10QQQQ64si")  # ggml-rpc's rpc_tensor (packed: 296 bytes)
+CMD_ALLOC_BUFFER, CMD_BUFFER_GET_BASE, CMD_SET_TENSOR, CMD_DEVICE_COUNT = 0, 3, 6, 15
+
+
+def _call(s: socket.socket, cmd: int, payload: bytes, reply: int | None) -> bytes:
+    s.sendall(struct.pack("<BQ", cmd, len(payload)) + payload)
+    if reply is None:
+        return b""
+    size = struct.unpack("<Q", _read(s, 8))[0]
+    assert size == reply, (cmd, size)
+    return _read(s, size)
+
+
+def _read(s: socket.socket, n: int) -> bytes:
+    out = b""
+    while len(out) < n:
+        chunk = s.recv(n - len(out))
+        assert chunk, "the worker closed the connection"
+        out += chunk
+    return out
+
+
+def _cached_uploads(endpoint: str, blobs: list[bytes]) -> None:
+    """What any peer may do: allocate a buffer and upload `blobs` into it, each with ggml-rpc's cache
+    flag set (the worker then writes each to its cache directory)."""
+    host, _, port = endpoint.rpartition(":")
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        _call(s, N.RPC_HELLO, bytes(N.RPC_CONN_CAPS), 4 + N.RPC_CONN_CAPS)
+        size = max(len(b) for b in blobs)
+        buf, _ = struct.unpack("<QQ", _call(s, CMD_ALLOC_BUFFER, struct.pack("<IQ", 0, size), 16))
+        (base,) = struct.unpack("<Q", _call(s, CMD_BUFFER_GET_BASE, struct.pack("<Q", buf), 8))
+        for blob in blobs:
+            n = len(blob)
+            tensor = RPC_TENSOR.pack(1, 0, buf, n // 4, 1, 1, 1, 4, n, n, n, 0, *[0] * 16, 0, *[0] * 10, 0, 0, base,
+                                     b"hostile", 0)
+            _call(s, CMD_SET_TENSOR, tensor + b"\x01" + struct.pack("<Q", 0) + blob, None)
+        _call(s, CMD_DEVICE_COUNT, b"", 4)  # answered once every upload before it was handled
+
+
+def _fnv1a64(data: bytes) -> int:
+    h = 0xCBF29CE484222325
+    for b in data:
+        h = ((h ^ b) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+    return h
+
+
+@pytest.mark.slow
+def test_a_caching_worker_stays_within_its_bounds_against_a_hostile_peer(rpc_python, tmp_path):
+    cache = tmp_path / "cache"
+    w = Worker(rpc_python, _free_port(), tmp_path / "worker.log",
+               extra=("--cache", str(cache), "--cache-max-files", "2")).start()
+    try:
+        blobs = [bytes([i]) * 4096 for i in range(1, 7)]
+        _cached_uploads(w.endpoint, blobs)
+        deadline = time.monotonic() + 60
+        while len([p for p in cache.iterdir() if p.name != MANIFEST]) > 2:  # the keeper's next pass
+            assert time.monotonic() < deadline, sorted(p.name for p in cache.iterdir())
+            time.sleep(0.2)
+        kept = [p for p in cache.iterdir() if p.name != MANIFEST]
+        assert 1 <= len(kept) <= 2, kept
+        for p in kept:  # what ggml-rpc wrote, under the name ggml-rpc gives it
+            assert p.read_bytes() in blobs and p.name == f"{_fnv1a64(p.read_bytes()):016x}", p.name
+        assert w.proc.poll() is None and rpc.probe(w.endpoint, timeout=10)[0] == N.RPC_PROTO_MAJOR
+    finally:
+        w.kill()

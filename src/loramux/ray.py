@@ -11,7 +11,11 @@ Each replica is an `Engine` with its own slot bank behind the same OpenAI-compat
 adapter, and a replica that does not loads it (`Replica.get_adapter`, `@serve.multiplexed`) from the
 catalog given to the builder, evicting its least recently used one past `max_adapters`. Requests for the
 base model go to any replica. A replica that dies is replaced by Serve's controller; its adapters are
-loaded again on whichever replica gets their next request. See docs/distributed.md.
+loaded again on whichever replica gets their next request. The ingress checks the request first, as
+`loramux serve` does (Host allow-list, API key, body size: the same `Guard` and settings), so a request
+without the key never makes a replica load or evict an adapter, and no body past `max_body_bytes` is
+buffered. Ray's own dashboard and Jobs API are not loramux's to guard: docs/distributed.md says how to
+keep them on loopback.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ try:
 except ImportError as e:  # pragma: no cover - install problem
     raise ImportError('loramux.ray needs Ray Serve: pip install "loramux[ray]"') from e
 from starlette.requests import Request
-from starlette.responses import StreamingResponse
+from starlette.responses import Response, StreamingResponse
 
 from .config import EXAMPLE_ADAPTER_NAME, embedded_model_in_use, example_adapter_path
 from .errors import ParameterError
@@ -144,16 +148,82 @@ async def _asgi(app: Any, method: str, path: str, query: bytes, headers: list[tu
             await asyncio.wait([task], timeout=30)
 
 
+#: ServerSettings fields the ingress reads: what it needs to refuse a request before any replica sees it.
+GATE_SETTINGS = ("api_key", "api_key_env", "api_key_file", "admin_api_key", "admin_api_key_env",
+                 "admin_api_key_file", "allowed_hosts", "host", "max_body_bytes", "public_metrics")
+
+
+class _Refused(Exception):
+    """The gate answered the request itself (its response messages are in `messages`)."""
+
+    def __init__(self, messages: list[dict[str, Any]]) -> None:
+        super().__init__("refused")
+        self.messages = messages
+
+
 @serve.deployment
 class Router:
-    """The ingress: picks the adapter a request is for and calls a replica multiplexed on it."""
+    """The ingress: checks the request (Host, key, body size) as `loramux serve` does, then picks the
+    adapter it is for and calls a replica multiplexed on it.
 
-    def __init__(self, replica: DeploymentHandle, catalog: Mapping[str, str]) -> None:
+    The checks come first so that a request without the key never makes a replica load (and evict)
+    an adapter, and the body is read only up to `max_body_bytes` (413 past it, chunked bodies too).
+    """
+
+    def __init__(self, replica: DeploymentHandle, catalog: Mapping[str, str],
+                 settings: Mapping[str, Any] | None = None) -> None:
+        from .server.config import ServerSettings
+        from .server.guard import Guard
+
+        gate = ServerSettings.from_dict({k: v for k, v in dict(settings or {}).items() if k in GATE_SETTINGS},
+                                        origin="loramux.ray settings")
         self.replica = replica
         self.catalog = dict(catalog)
+        self.max_body = gate.max_body_bytes
+        public = ("/health", "/metrics") if gate.public_metrics else ("/health",)
+        # admin routes are the replicas' to refuse (they know the app's routes); here both keys pass
+        self.guard = Guard(self._read, api_key=gate.api_key, max_body=gate.max_body_bytes, public=public,
+                           admin_api_key=gate.admin_api_key, allowed_hosts=gate.host_allowlist())
 
-    def _adapters_of(self, body: bytes) -> list[str]:
-        """Catalog adapters a request names: its `model`, then its `lora` list's names, in order."""
+    @staticmethod
+    async def _read(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        """The gate's inner app: collect the body (through the gate's size-limited receive)."""
+        chunks = scope.setdefault("loramux.body", [])
+        while True:
+            msg = await receive()
+            if msg["type"] != "http.request":
+                raise _Refused([])  # the client left
+            chunks.append(msg.get("body", b""))
+            if not msg.get("more_body"):
+                return
+
+    async def _checked_body(self, request: Request) -> bytes:
+        """The request's body once the gate let it through; _Refused with the gate's answer otherwise."""
+        from starlette.exceptions import HTTPException
+
+        from .server.errors import APIError
+
+        sent: list[dict[str, Any]] = []
+
+        async def send(msg: dict[str, Any]) -> None:
+            sent.append(msg)
+        scope = request.scope
+        try:
+            await self.guard(scope, request.receive, send)
+        except HTTPException:  # a chunked body past the limit
+            raise _Refused(_messages(APIError(413, f"request body larger than {self.max_body} bytes",
+                                              code="request_too_large"))) from None
+        if sent:
+            raise _Refused(sent)
+        return b"".join(scope.get("loramux.body", []))
+
+    def _adapters_of(self, method: str, path: str, body: bytes) -> list[str]:
+        """Catalog adapters an inference request names: its `model`, then its `lora` list's names, in
+        order (at most MAX_ADAPTERS). Other routes name none: they never make a replica load one."""
+        from .server.guard import INFERENCE_ROUTES
+
+        if (method, path) not in INFERENCE_ROUTES:
+            return []
         try:
             data = json.loads(body) if body else None
         except ValueError:
@@ -163,11 +233,14 @@ class Router:
         names = [data.get("model")]
         lora = data.get("lora")
         names += [x.get("name") for x in lora if isinstance(x, dict)] if isinstance(lora, list) else []
-        return [n for n in dict.fromkeys(names) if isinstance(n, str) and n in self.catalog]
+        return [n for n in dict.fromkeys(names) if isinstance(n, str) and n in self.catalog][:MAX_ADAPTERS]
 
-    async def __call__(self, request: Request) -> StreamingResponse:
-        body = await request.body()
-        names = self._adapters_of(body)
+    async def __call__(self, request: Request) -> Response:
+        try:
+            body = await self._checked_body(request)
+        except _Refused as r:
+            return _response(r.messages)
+        names = self._adapters_of(request.method, request.url.path, body)
         handle = self.replica.options(stream=True, multiplexed_model_id=names[0] if names else "")
         gen = handle.handle.remote(request.method, request.url.path, request.url.query.encode(),
                                    list(request.headers.raw), body, names[1:])
@@ -178,6 +251,24 @@ class Router:
                 yield chunk
         head["headers"].pop("content-length", None)  # re-framed by the proxy
         return StreamingResponse(rest(), status_code=head["status"], headers=head["headers"])
+
+
+def _messages(err: Any) -> list[dict[str, Any]]:
+    """An APIError as the ASGI messages its response would send."""
+    resp = err.response()
+    return [{"type": "http.response.start", "status": resp.status_code, "headers": resp.raw_headers},
+            {"type": "http.response.body", "body": resp.body}]
+
+
+def _response(messages: list[dict[str, Any]]) -> Response:
+    """The gate's own answer (a 401, 413, 421 ...) as a Response; 499 when the client left."""
+    start = next((m for m in messages if m["type"] == "http.response.start"), None)
+    if start is None:
+        return Response(status_code=499)
+    body = b"".join(m.get("body", b"") for m in messages if m["type"] == "http.response.body")
+    headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in start.get("headers", [])
+               if k.lower() != b"content-length"}
+    return Response(body, status_code=start["status"], headers=headers)
 
 
 def parse_catalog(value: str | Mapping[str, str] | None) -> dict[str, str]:
@@ -220,7 +311,7 @@ def build_app(args: Mapping[str, Any] | None = None) -> Application:
         raise ParameterError(sorted(args)[0], "is not a loramux.ray argument (model, adapters, num_replicas, "
                                               "replica_cpus, settings)")
     replica = Replica.options(num_replicas=replicas, ray_actor_options={"num_cpus": cpus}).bind(model, settings, catalog)
-    return Router.options(ray_actor_options={"num_cpus": 0}).bind(replica, catalog)
+    return Router.options(ray_actor_options={"num_cpus": 0}).bind(replica, catalog, settings)
 
 
 app = build_app()

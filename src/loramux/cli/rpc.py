@@ -14,7 +14,8 @@ import sys
 import threading
 from typing import Any
 
-from ..errors import RpcError
+from ..engine.rpc_cache import DEFAULT_MAX_BYTES, DEFAULT_MAX_FILES, CacheKeeper
+from ..errors import ParameterError, RpcError
 
 log = logging.getLogger("loramux.rpc")
 
@@ -26,8 +27,9 @@ then, on the machine that serves:
   loramux serve big.gguf --rpc 10.0.0.2:50052,10.0.0.3:50052
 
 RPC is unauthenticated and unencrypted: anyone who reaches the port can run computations on this
-machine and read what it holds. Bind a private interface only (a VPN or cluster network), never a
-public one. A worker serves one client at a time. docs/distributed.md has the whole setup.
+machine, read what it holds and (with --cache) write files into the cache. Bind a private interface
+only (a VPN or cluster network), never a public one. A worker serves one client at a time.
+docs/distributed.md has the whole setup, docs/security.md the cache's bounds and limits.
 """
 
 LOOPBACK = ("127.0.0.1", "localhost")
@@ -47,18 +49,34 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--threads", type=int, default=None, help="CPU threads for the layers held here (default: all)")
     p.add_argument("--cache", nargs="?", const="", default=None, metavar="DIR",
                    help="keep received tensors in DIR (default: loramux's cache, rpc/) so that a reconnecting "
-                        "client sends large weights by hash only")
+                        "client sends large weights by hash only; DIR is the cache's alone (loramux deletes "
+                        "whatever else is in it). Only with peers you trust: docs/security.md")
+    p.add_argument("--cache-max-bytes", type=int, default=None, metavar="N",
+                   help=f"delete the oldest cache entries past N bytes (default {DEFAULT_MAX_BYTES >> 30} GiB)")
+    p.add_argument("--cache-max-files", type=int, default=None, metavar="N",
+                   help=f"delete the oldest cache entries past N files (default {DEFAULT_MAX_FILES})")
+    p.add_argument("--cache-sealed", action="store_true",
+                   help="serve only the entries already recorded (each checked by its sha256), accept no new "
+                        "ones, and make DIR read-only: fill the cache once from a trusted server, then seal it")
     p.set_defaults(func=cmd_rpc_worker)
 
 
-def _cache_dir(value: str | None) -> str | None:
-    if value is None:
+def _cache(args: argparse.Namespace) -> CacheKeeper | None:
+    """The bounded cache --cache asks for (its keeper not started yet), or None."""
+    if args.cache is None:
+        for flag, value in (("--cache-max-bytes", args.cache_max_bytes), ("--cache-max-files", args.cache_max_files),
+                            ("--cache-sealed", args.cache_sealed or None)):
+            if value is not None:
+                raise ParameterError(flag, "only applies with --cache [DIR]")
         return None
     from .. import config
 
-    path = os.path.expanduser(value) if value else os.path.join(config.cache_dir(), "rpc")
+    path = os.path.expanduser(args.cache) if args.cache else os.path.join(config.cache_dir(), "rpc")
     os.makedirs(path, exist_ok=True)
-    return path
+    keeper = CacheKeeper(path, max_bytes=DEFAULT_MAX_BYTES if args.cache_max_bytes is None else args.cache_max_bytes,
+                         max_files=DEFAULT_MAX_FILES if args.cache_max_files is None else args.cache_max_files,
+                         sealed=args.cache_sealed)
+    return keeper
 
 
 def cmd_rpc_worker(args: argparse.Namespace) -> int:
@@ -66,9 +84,8 @@ def cmd_rpc_worker(args: argparse.Namespace) -> int:
     from ..engine.model import default_threads
 
     endpoint = rpc.parse_endpoint(f"{args.host}:{args.port}", "--host/--port")
+    keeper = _cache(args)
     if args.threads is not None and args.threads < 1:
-        from ..errors import ParameterError
-
         raise ParameterError("--threads", f"must be ≥ 1 (got {args.threads})")
     from .. import _native as N
 
@@ -81,13 +98,15 @@ def cmd_rpc_worker(args: argparse.Namespace) -> int:
         print(f"loramux: WARNING: RPC on {endpoint} is unauthenticated; expose it on a private network only",
               file=sys.stderr)
     threads = args.threads or default_threads()
-    cache = _cache_dir(args.cache)
+    cache = str(keeper.start().path) if keeper is not None else None  # its first pass before any client
     server = threading.Thread(target=N.rpc_serve, args=(endpoint,), kwargs={"n_threads": threads, "cache_dir": cache},
                               name="loramux-rpc-worker", daemon=True)
     server.start()
     names = ", ".join(name for _, name in N.rpc_worker_devices())
-    print(f"loramux: RPC worker on {endpoint} serving {names} ({threads} threads"
-          f"{', cache ' + cache if cache else ''}); Ctrl-C stops it", file=sys.stderr, flush=True)
+    bounds = (f", cache {cache} (at most {keeper.max_bytes} bytes, {keeper.max_files} files"
+              f"{', sealed' if keeper.sealed else ''})" if keeper is not None else "")
+    print(f"loramux: RPC worker on {endpoint} serving {names} ({threads} threads{bounds}); Ctrl-C stops it",
+          file=sys.stderr, flush=True)
     try:
         while server.is_alive():
             server.join(0.5)  # wake up for Ctrl-C: the server itself never returns to Python

@@ -35,14 +35,28 @@ WORKER_HINT = "start it there with `loramux rpc-worker --host HOST --port PORT` 
 PROBE_TIMEOUT_S = 5.0
 
 
+HELLO_REPLY_MAX = 4096  # bytes: this build's HELLO reply is 4 + RPC_CONN_CAPS (28); a peer saying more is not a worker
+
+
 def probe(endpoint: str, timeout: float = PROBE_TIMEOUT_S) -> tuple[int, int, int]:
-    """Connect to a worker and do the protocol's HELLO; its protocol version, or a typed RpcError."""
+    """Connect to a worker and do the protocol's HELLO; its protocol version, or a typed RpcError.
+
+    Whatever the peer does, this returns or raises RpcError within `timeout` seconds in all (connect,
+    send and reply together: a peer that trickles its answer byte by byte is cut off too), and never
+    reads more than HELLO_REPLY_MAX bytes (the reply's size comes from the peer).
+    """
     host, _, port = endpoint.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise RpcError(endpoint, "invalid", "is not HOST:PORT", hint="give the worker as host:port, e.g. 10.0.0.2:50052")
+    deadline = time.monotonic() + timeout
     try:
         with socket.create_connection((host, int(port)), timeout=timeout) as s:
             s.sendall(struct.pack("<BQ", N.RPC_HELLO, N.RPC_CONN_CAPS) + bytes(N.RPC_CONN_CAPS))
-            size = struct.unpack("<Q", _recv(s, 8))[0]
-            reply = _recv(s, size)
+            size = struct.unpack("<Q", _recv(s, 8, deadline))[0]
+            if size > HELLO_REPLY_MAX:
+                raise RpcError(endpoint, "version", f"answered HELLO with a reply of {size} bytes (at most "
+                               f"{HELLO_REPLY_MAX} expected): not a llama.cpp RPC worker", hint=WORKER_HINT)
+            reply = _recv(s, size, deadline)
     except TimeoutError as e:
         raise RpcError(endpoint, "unreachable", f"no answer within {timeout:g} s (a worker serves one "
                        "client at a time: is another loramux using it?)", hint=WORKER_HINT) from e
@@ -57,14 +71,19 @@ def probe(endpoint: str, timeout: float = PROBE_TIMEOUT_S) -> tuple[int, int, in
     return version
 
 
-def _recv(s: socket.socket, n: int) -> bytes:
-    out = b""
+def _recv(s: socket.socket, n: int, deadline: float) -> bytes:
+    """Exactly `n` bytes before `deadline` (time.monotonic()), else TimeoutError or ConnectionResetError."""
+    out = bytearray()
     while len(out) < n:
-        chunk = s.recv(n - len(out))
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("HELLO reply not complete in time")
+        s.settimeout(left)
+        chunk = s.recv(min(n - len(out), 65536))
         if not chunk:
             raise ConnectionResetError("the worker closed the connection during HELLO")
         out += chunk
-    return out
+    return bytes(out)
 
 
 def connect(endpoints: Sequence[str]) -> list[int]:

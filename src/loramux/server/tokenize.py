@@ -2,19 +2,24 @@
 `add_special` and `with_pieces` too), so that clients such as lm-evaluation-harness (`tokenizer_backend=remote`)
 need no Hugging Face tokenizer: they get the GGUF's own vocabulary, the one the engine scores with.
 
-llama.cpp is called from worker threads only, never on the event loop.
+llama.cpp is called from worker threads only, never on the event loop. /tokenize and /detokenize take a
+place in the same bounded queue as the generation routes (`ServerState.admit`: 429 past --parallel +
+--max-queue), so a flood of them cannot pile up threads; /tokenizer_info reads the model's metadata only.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from fastapi import FastAPI
 
 from .errors import APIError
 from .schemas import DetokenizeRequest, TokenizeRequest
 from .state import ServerState
+
+T = TypeVar("T")
 
 
 def _piece(raw: bytes) -> str | list[int]:
@@ -60,13 +65,24 @@ def _tokenizer_info(state: ServerState) -> dict[str, Any]:
             "model_max_length": state.engine.n_ctx, "max_model_len": state.engine.n_ctx, "vocab_size": m.n_vocab}
 
 
+async def _queued(state: ServerState, fn: Callable[..., T], *args: Any) -> T:
+    """Run `fn` in a worker thread holding one place of the bounded queue (429 when it is full).
+
+    The place is held until the thread returns, even when the client left: the thread cannot be
+    stopped, and what the bound counts is work that is really running."""
+    ticket = state.admit()
+    task = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    task.add_done_callback(lambda _: ticket.release())
+    return await asyncio.shield(task)
+
+
 def add_routes(app: FastAPI, state: ServerState) -> None:
     """Register /tokenize, /detokenize and /tokenizer_info on `app`."""
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         state.pool.requested_set(body.model, None)  # an unknown model is a 404, as for completions
-        return await asyncio.to_thread(_tokenize, state, body)
+        return await _queued(state, _tokenize, state, body)
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
@@ -76,7 +92,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         if bad:
             raise APIError(400, f"token ids must be in [0, {n_vocab}), got {bad[0]}", code="invalid_request",
                            param="tokens")
-        text = await asyncio.to_thread(state.engine.detokenize, body.tokens)
+        text = await _queued(state, state.engine.detokenize, body.tokens)
         return {"prompt": text, "content": text}  # vLLM's key and llama-server's
 
     @app.get("/tokenizer_info")
