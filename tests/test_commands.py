@@ -63,6 +63,9 @@ SERVE = r"models:  \S+ \(base\)"  # the first lines `loramux serve` prints once 
 COMMANDS: dict[str, Case] = {
     # README.md
     'loramux run -p "The capital of France is"': Case(r"^The capital of France is", "gemma"),
+    "curl http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' -d '{\"model\": "
+    "\"pirate\", \"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of Germany?\"}], "
+    "\"max_tokens\": 32}'": Case(r'"model":\s*"pirate","choices":\[\{"index":0,"message":\{"role":"assistant"'),
     # docs/control.md
     'loramux run --control-vector examples/vectors/happy.gguf:0.25 -p "My week at work was"':
         Case(r"^My week at work was", "gemma"),
@@ -82,6 +85,9 @@ COMMANDS: dict[str, Case] = {
     "loramux merge base.gguf --lora style.gguf -o merged.gguf --quant Q8_0": Case(r"Q8_0"),
     # docs/distributed.md
     "loramux rpc-worker --host 10.0.0.2 --port 50052 --threads 16": Case(r"127\.0\.0\.2:50052"),
+    "loramux rpc-worker --host 10.0.0.2 --cache /var/cache/loramux-rpc --cache-max-bytes 68719476736":
+        Case(r"127\.0\.0\.2:50052"),
+    "loramux rpc-worker --host 10.0.0.2 --cache /var/cache/loramux-rpc --cache-sealed": Case(r"127\.0\.0\.2:50052"),
     "loramux serve big.gguf --rpc 10.0.0.2:50052,10.0.0.3:50052 --lora style=adapters/style.gguf":
         Case(SERVE + r"[\s\S]*style"),
     "serve run loramux.ray:app": Case(r"(?i)deployed|running", "gemma"),
@@ -180,6 +186,7 @@ PLACEHOLDERS: dict[str, tuple[Callable[[Run], str], str]] = {
     "https://example.org/style.gguf#sha256=<64 hex>": (lambda r: r.ws.url_for("style.gguf"),
                                                        "a local HTTP server serves the file"),
     "/models/": (lambda r: str(r.ws.dir) + "/", "the reader's adapter directory: this run's directory"),
+    "/var/cache/loramux-rpc": (lambda r: str(r.ws.dir / "rpc-cache"), "the worker's cache: this run's directory"),
     "num_replicas=4": (lambda r: "num_replicas=2", "one replica per core: CI machines have 2"),
     "<command>": (lambda r: "run", "one command stands for all; each one's --help is run by test_cli.py"),
 }
@@ -200,6 +207,10 @@ NOT_RUN: dict[str, str] = {
     "v1/completions,tokenizer_backend=remote,num_concurrent=8,max_length=2048 --tasks hellaswag":
         "hellaswag is a Hub dataset and CI has no Hub; tests/test_lm_eval.py runs lm-eval's local-completions "
         "against loramux serve on a local task",
+    **{f"python -m pytest -q {files}": "test files of this suite (.ci/run runs them with the rest)" for files in (
+        "tests/test_adversarial.py", "tests/test_security.py", "tests/test_ray.py",
+        "tests/test_tokenize_queue.py tests/test_rpc_hostile.py tests/test_rpc_cache.py",
+        "tests/test_api_fuzz.py tests/test_fuzz_gguf.py tests/test_gguf_bounds.py")},
     "python examples/train_zo_example.py --threads 1 --out-dir /tmp/zo/captain4":
         "a 7-minute training run on the default model; the same loop runs in tests/test_train.py on the tiny model",
     "python benchmarks/zo_step.py --threads 1 --steps 10 --batch 2":
