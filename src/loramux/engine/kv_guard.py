@@ -11,9 +11,18 @@ The guard stops the graph at each KV write (SET_ROWS: the K and V rows of the ne
 after it ran and before any attention reads the cells. A token whose values are not all within the
 cache type's range gets its cells zeroed there (finite again: the masked others read 0·0) and is
 reported, so that only its request fails. Stops cost time, so the guard runs only in decodes that
-need it: several sequences on a unified cache, at least one of them with a *risky* adapter set, one
-whose values could leave the cache's range by the static bound below. Trained adapters are far from
-it; an adapter filled with large values is not, and it pays the stops for itself.
+need it: those holding a *risky* adapter set, one whose values could leave the cache's range by the
+static bound below, whatever the decode's size (a single sequence too: the cells it leaves behind are
+read, masked, by later decodes; non-flash attention reads every cell of the padded window). Trained
+adapters are far from it; an adapter filled with large values is not, and it pays the stops for
+itself. The guard needs the slot bank's eval callback and one ubatch per decode on a unified cache;
+an engine without them refuses a risky set at admission (ScaleError, a 400 on the server) instead of
+paying an eval callback on every decode of every request.
+
+Cells a failed request leaves are finite then (zeroed or checked), and a finite masked cell adds
+exactly 0 to everyone's attention. A failure that could still have left out-of-range values (non-finite
+logits the guard did not see: `may_leave_bad_values`) makes the scheduler clear the cache's data
+(llama_memory_clear), see scheduler.py.
 
 The bound (docs/server.md, "Numeric safety"): K and V are W·x + s·B·(A·x) with x the attention
 norm's output, so ||x||₂ ≤ √n_embd·max|w| + ||b||₂ (RMSNorm or LayerNorm weight w, bias b). Per
@@ -35,7 +44,7 @@ import numpy as np
 
 from .. import _native as N
 from .. import ggml_types as G
-from ..errors import BackendError, RequestFailed
+from ..errors import BackendError, RequestFailed, ScaleError
 from .adapters import LoRAAdapter
 from .model import Model
 from .registry import AdapterSet
@@ -92,11 +101,34 @@ def _read_vector(model: Model, name: str) -> np.ndarray | None:
     return np.frombuffer(raw, dtype).astype(np.float32)
 
 
+class KvCacheError(FloatingPointError):
+    """Keys or values out of the KV cache's range that were dealt with: their cells were zeroed as they
+    were written, or the cache's data cleared. Nothing of the failed request is left for others to read."""
+
+
+def may_leave_bad_values(error: BaseException | None) -> bool:
+    """Could a request failing with `error` have left out-of-range values in its KV cells? Non-finite
+    logits the guard did not deal with say so, and so does a KV write the guard could not check."""
+    if isinstance(error, BackendError):
+        return error.function == "KV guard"
+    cause = getattr(error, "cause", None)
+    return isinstance(error, RequestFailed) and isinstance(cause, FloatingPointError) \
+        and not isinstance(cause, KvCacheError)
+
+
+def read_bad_values_error(adapters: Iterable[str]) -> RequestFailed:
+    """The error of a request whose decodes read cells another request left out of range (unified cache)."""
+    return RequestFailed("decode", adapters, KvCacheError(
+        "another request left non-finite keys or values in the shared KV cache, which every sequence's "
+        "attention reads; this request was stopped rather than return what it computed from them, and the "
+        "cache was cleared"), hint="retry the request")
+
+
 class KvGuard:
     """Decides which decodes need the KV-write check, and runs it. Engine thread only.
 
     `stops` is the serving context's eval callback (None when the context has none: the guard cannot
-    run there, and the scheduler decodes risky sets one sequence at a time instead).
+    run there, and the scheduler refuses risky sets instead; see `refusal`).
     """
 
     def __init__(self, model: Model, stops: N.MatmulStops | None, kv_type: str) -> None:
@@ -144,12 +176,34 @@ class KvGuard:
                 return True
         return False
 
+    def safe_scale(self, adapter: LoRAAdapter) -> float:
+        """The largest |scale| at which `adapter` alone is not risky (inf: any scale)."""
+        g_kv, g_other = self.gains(adapter)
+        with np.errstate(divide="ignore"):
+            edges = [self.risk_limit / (g_kv * self.x_bound) if g_kv > 0 else math.inf,
+                     OTHER_GAIN_LIMIT / g_other if g_other > 0 else math.inf]
+        return min(edges)
+
     def overflow_error(self, adapters: Iterable[str]) -> RequestFailed:
         """The error of a request whose cells the guard zeroed."""
-        return RequestFailed("decode", adapters, FloatingPointError(
+        return RequestFailed("decode", adapters, KvCacheError(
             f"its keys or values left the {self.kv_type} KV cache's range (NaN, Inf or |x| > "
-            f"{cache_limit(self.kv_type):g}); it was stopped so that the other requests of its decode were "
-            f"not affected: lower the adapter's scale or check its factors"))
+            f"{cache_limit(self.kv_type):g}); it was stopped and its cells were zeroed as they were written, so "
+            f"no other request reads them"), hint="lower the adapter's scale or check its factors")
+
+    def refusal(self, sets: Sequence[AdapterSet]) -> ScaleError:
+        """The error for a risky set on an engine that cannot run the guard: nothing was decoded."""
+        risky = next((s for s in sets if self.risky([s])), sets[0])
+        named = ", ".join(f"{a.name} × {scale:g}" for a, scale in risky.items)
+        hint = "lower the scale"
+        if len(risky.items) == 1:
+            hint += f" (this engine serves {risky.items[0][0].name} at |scale| ≤ {self.safe_scale(risky.items[0][0]):.4g})"
+        return ScaleError(
+            f"{named}: its keys or values could leave the {self.kv_type} KV cache's range by the bound this engine "
+            f"checks (docs/server.md, 'Numeric safety'), and this engine cannot check them as they are written "
+            f"(that needs the slot bank on a unified KV cache), so it does not serve it",
+            hint=hint + ", or serve with a slot bank (loramux serve --slots N; Engine.load(..., slots=N)), whose "
+                        "KV guard checks such requests")
 
     # -- one guarded decode ---------------------------------------------------------------------
     def arm(self, n_tokens: int) -> None:
@@ -207,4 +261,5 @@ class KvGuard:
             self._bad |= bad
 
 
-__all__ = ["F16_MAX", "KvGuard", "attention_input_bound", "cache_limit", "target_gain"]
+__all__ = ["F16_MAX", "KvCacheError", "KvGuard", "attention_input_bound", "cache_limit", "may_leave_bad_values",
+           "read_bad_values_error", "target_gain"]
