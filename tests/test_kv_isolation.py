@@ -51,8 +51,8 @@ def adapters(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path) -> Path:
 
 
 @contextmanager
-def engine(model: Path, adir: Path, setting: str) -> Iterator[lm.Engine]:
-    with lm.Engine.load(model, n_ctx=512, n_threads=2, slot_rank=8, **SETTINGS[setting]) as eng:
+def engine(model: Path, adir: Path, setting: str, **options: object) -> Iterator[lm.Engine]:
+    with lm.Engine.load(model, n_ctx=512, n_threads=2, slot_rank=8, **SETTINGS[setting], **options) as eng:
         eng.load_lora(adir / "pirate.gguf", name="pirate", scale=0.0)
         eng.load_lora(adir / "a.gguf", name="a", scale=0.0)
         yield eng
@@ -95,6 +95,24 @@ def test_the_attack_leaves_every_later_request_as_on_a_fresh_engine(tiny_model, 
             assert eng.stats()["decode_steps"] == 0
         assert follow_ups(eng) == fresh[setting]
         assert eng.stats()["kv_clears"] == 0
+
+
+@pytest.mark.parametrize(("kv_type", "flash_attn"), [("f16", True), ("f32", False)])
+def test_the_guard_follows_the_cache_type_and_layout(tiny_model, adapters, kv_type, flash_attn):
+    """Flash attention keeps V untransposed (another layout of the KV writes): the guard zeroes the cells
+    there too. An F32 cache holds the attack's values: no stop, no failure. Later requests as fresh."""
+    with engine(tiny_model, adapters, "parallel 4", kv_type=kv_type, flash_attn=flash_attn) as eng:
+        want = follow_ups(eng)
+    with engine(tiny_model, adapters, "parallel 4", kv_type=kv_type, flash_attn=flash_attn) as eng:
+        guard = eng.scheduler.guard
+        if kv_type == "f16":
+            with pytest.raises(RequestFailed, match="f16 KV cache's range"):
+                eng.generate(ATTACK, loras={"pirate": HOT}, max_tokens=1)
+            assert guard.zeroed_tokens > 0
+        else:
+            assert len(eng.generate(ATTACK, loras={"pirate": HOT}, max_tokens=1).tokens) == 1
+            assert guard.guarded_decodes == 0
+        assert follow_ups(eng) == want
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
