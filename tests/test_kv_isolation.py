@@ -115,6 +115,25 @@ def test_the_guard_follows_the_cache_type_and_layout(tiny_model, adapters, kv_ty
         assert follow_ups(eng) == want
 
 
+@pytest.mark.parametrize("setting", ["parallel 1", "parallel 4"])
+def test_an_adapter_written_past_the_bound_while_its_request_runs_is_stopped_before_it_decodes_again(
+        tiny_model, adapters, fresh, setting):
+    """Risk is decided per decode, not only at admission: an in-place write that scales the running request's
+    adapter up 1600-fold makes its set risky. With the bank its next decodes run with the guard; without one
+    it fails before its next decode, with the refusal's error. The later requests: a fresh engine's."""
+    with engine(tiny_model, adapters, setting) as eng:
+        pirate = eng.adapter("pirate")
+        before = pirate.all_factors()
+        running = eng.stream("the cat sat", loras={"pirate": 1.0}, max_tokens=400, ignore_eos=True)
+        pirate.set_factors_multi({t: (a * 40, b * 40) for t, (a, b) in before.items()})
+        with pytest.raises((RequestFailed, ScaleError)) as err:
+            running.consume()
+        assert ("KV cache's range" if eng.scheduler.can_guard else "pirate × 1: its keys or values could leave") \
+            in str(err.value)
+        pirate.set_factors_multi(before)
+        assert follow_ups(eng) == fresh[setting] and eng.stats()["kv_clears"] == 0
+
+
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_cells_that_got_past_the_guard_are_cleared_when_their_request_fails(tiny_model, adapters, fresh, setting,
                                                                            monkeypatch):
