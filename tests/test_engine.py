@@ -353,8 +353,9 @@ def _constant_adapter(path, value, target="blk.0.attn_v.weight"):
 def _submitted_together(eng, specs):
     """Streams for (prompt, loras, ignore_eos[, max_tokens]) specs, all queued while the engine waits, so
     that they are admitted together and share their first decode."""
-    gate = threading.Event()
-    held = eng.call_async(lambda: gate.wait(30))
+    gate, inside = threading.Event(), threading.Event()
+    held = eng.call_async(lambda: (inside.set(), gate.wait(30)))
+    assert inside.wait(30)  # the engine thread holds the gate: the queue now counts only the submits
     out = [None] * len(specs)
 
     def submit(i, prompt, loras, ignore_eos, max_tokens=8):

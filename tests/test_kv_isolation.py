@@ -187,8 +187,9 @@ def test_on_per_sequence_streams_a_stream_with_unchecked_cells_is_used_again_onl
 def submitted_together(eng: lm.Engine, specs: list[tuple[str, dict, int]]) -> list[lm.TextStream]:
     """Streams for (prompt, loras, max_tokens), queued while the engine waits, so that they are admitted
     together, in this order, and share their first decode."""
-    gate = threading.Event()
-    held = eng.call_async(lambda: gate.wait(30))
+    gate, inside = threading.Event(), threading.Event()
+    held = eng.call_async(lambda: (inside.set(), gate.wait(30)))
+    assert inside.wait(30)  # the engine thread holds the gate: the queue now counts only the submits
     out: list = [None] * len(specs)
     threads: list[threading.Thread] = []
 
