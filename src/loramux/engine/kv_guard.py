@@ -13,9 +13,9 @@ cache type's range gets its cells zeroed there (finite again: the masked others 
 reported, so that only its request fails. Stops cost time, so the guard runs only in decodes that
 need it: those holding a *risky* adapter set, one whose values could leave the cache's range by the
 static bound below, whatever the decode's size (a single sequence too: the cells it leaves behind are
-read, masked, by later decodes; non-flash attention reads every cell of the padded window). Trained
-adapters are far from it; an adapter filled with large values is not, and it pays the stops for
-itself. The guard needs the slot bank's eval callback and one ubatch per decode on a unified cache;
+read, masked, by later decodes; non-flash attention reads every cell of the padded window). The
+bound holds for any input, so it is wide where a norm weight is large (docs/server.md gives what it
+means on Gemma 3 270M); a set past it pays the stops for itself. The guard needs the slot bank's eval callback and one ubatch per decode on a unified cache;
 an engine without them refuses a risky set at admission (ScaleError, a 400 on the server) instead of
 paying an eval callback on every decode of every request.
 
