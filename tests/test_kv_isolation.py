@@ -28,7 +28,7 @@ import pytest
 from tinymodel import N_LAYER, random_factors
 
 import loramux as lm
-from loramux.engine.kv_guard import KvGuard
+from loramux.engine.kv_guard import KvGuard, folded_gain, target_gain
 from loramux.errors import RequestFailed, ScaleError
 from loramux.gguf_io import write_adapter
 from loramux.server import LoraEntry, ServerSettings, create_app, serve_in_thread
@@ -218,6 +218,24 @@ def test_an_evaluation_on_a_risky_set_leaves_the_next_evaluation_alone(tiny_mode
     with engine(tiny_model, adapters, "parallel 1") as eng:
         assert not np.isfinite(eng.logits(ATTACK, loras={"pirate": HOT})).all()
         assert np.array_equal(eng.logits("the cat sat on the mat", loras={}), want)
+
+
+def test_the_folded_bound_holds_for_the_worst_input_and_is_never_wider_than_the_plain_one():
+    """g with the norm weight folded into A: no input the norm can give (||x̂||₂ ≤ √n, x = w ⊙ x̂ + b) gets
+    a larger |Δ_i| than it says (the worst x̂ for row i, in closed form), and it is never wider than the plain
+    bound ||A_j||₂·||x||₂ with ||x||₂ ≤ √n·max|w| + ||b||₂."""
+    rng = np.random.default_rng(0)
+    for trial in range(20):
+        r, n, out = rng.integers(1, 9), rng.integers(4, 65), rng.integers(1, 33)
+        a, b = rng.standard_normal((r, n)), rng.standard_normal((out, r))
+        w, bias = rng.standard_normal(n) * rng.uniform(0.1, 50), rng.standard_normal(n) * (trial % 2)
+        scaling = rng.uniform(0.1, 4)
+        g = folded_gain(a, b, scaling, w, bias, int(n))
+        rows = scaling * b @ (a * w)  # Δ = rows·x̂ + scaling·B·A·bias, the worst x̂ = √n·rows_i/||rows_i||
+        worst = np.sqrt(n) * np.linalg.norm(rows, axis=1) + np.abs(scaling * b @ (a @ bias))
+        assert worst.max() <= g * (1 + 1e-9), trial
+        plain = target_gain(a, b, scaling) * (np.sqrt(n) * np.abs(w).max() + np.linalg.norm(bias))
+        assert g <= plain * (1 + 1e-9), trial
 
 
 # ---------------------------------------------------------------------------------- through HTTP

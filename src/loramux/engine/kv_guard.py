@@ -71,19 +71,38 @@ def target_gain(a: np.ndarray, b: np.ndarray, scaling: float) -> float:
     return g if math.isfinite(g) else math.inf
 
 
-def attention_input_bound(model: Model) -> float:
-    """Bound on ||x||₂ of every layer's attention input (its norm's output); inf when unknown."""
-    h, worst = model.header, 0.0
+def attention_norms(model: Model) -> list[tuple[np.ndarray, np.ndarray]] | None:
+    """Each layer's attention norm (weight w, bias b; b zeros without one); None when any is unknown."""
+    out = []
     for i in range(model.n_layer):
         w = _read_vector(model, f"blk.{i}.attn_norm.weight")
-        if w is None:
-            return math.inf
-        b = _read_vector(model, f"blk.{i}.attn_norm.bias") if f"blk.{i}.attn_norm.bias" in h.tensors else 0.0
-        if b is None:
-            return math.inf
-        worst = max(worst, math.sqrt(model.n_embd) * float(np.abs(w).max(initial=0.0))
-                    + float(np.linalg.norm(b)))
+        name = f"blk.{i}.attn_norm.bias"
+        b = _read_vector(model, name) if name in model.header.tensors else np.zeros(model.n_embd, np.float32)
+        if w is None or b is None or not (np.isfinite(w).all() and np.isfinite(b).all()):
+            return None
+        out.append((w, b))
+    return out
+
+
+def attention_input_bound(model: Model) -> float:
+    """Bound on ||x||₂ of every layer's attention input (its norm's output); inf when unknown."""
+    norms = attention_norms(model)
+    if norms is None:
+        return math.inf
+    worst = max((math.sqrt(model.n_embd) * float(np.abs(w).max(initial=0.0)) + float(np.linalg.norm(b))
+                 for w, b in norms), default=0.0)
     return worst if math.isfinite(worst) else math.inf
+
+
+def folded_gain(a: np.ndarray, b: np.ndarray, scaling: float, w: np.ndarray, bias: np.ndarray, n: int) -> float:
+    """Largest |Δ_i| the pair adds to a layer whose input is x = w ⊙ x̂ + bias with ||x̂||₂ ≤ √n (RMS or
+    LayerNorm): |A_j·x| ≤ ||A_j ⊙ w||₂·√n + |A_j·bias|, tighter than ||A_j||₂·||x||₂ where the largest
+    norm weights do not meet the largest factor entries."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        a64 = a.astype(np.float64)
+        reach = np.sqrt(np.square(a64 * w).sum(axis=1)) * math.sqrt(n) + np.abs(a64 @ bias.astype(np.float64))
+        g = abs(scaling) * float((np.abs(b.astype(np.float64)) * reach).sum(axis=1).max(initial=0.0))
+    return g if math.isfinite(g) else math.inf
 
 
 def _read_vector(model: Model, name: str) -> np.ndarray | None:
@@ -135,6 +154,8 @@ class KvGuard:
         self.stops, self.kv_type = stops, kv_type
         self.risk_limit = cache_limit(kv_type) / 4 / math.sqrt(2)
         self.x_bound = attention_input_bound(model)
+        self._norms = attention_norms(model) if math.isfinite(self.x_bound) else None
+        self._n_embd = model.n_embd
         self._gains: dict[tuple[int, int], tuple[float, float]] = {}
         self._n_tok = 0
         self._bad = np.zeros(0, bool)
@@ -148,21 +169,31 @@ class KvGuard:
         return self.stops is not None
 
     def gains(self, adapter: LoRAAdapter) -> tuple[float, float]:
-        """(Σ g over its attn_k/attn_v targets, largest g of its other targets), for its current factors."""
+        """(largest g of its attn_k/attn_v targets, largest g of its other targets), for its current factors.
+
+        A K/V target's g is its largest |Δ| over every input its layer's norm can give, divided by
+        `x_bound` (so g·x_bound bounds |Δ|); with the norm unknown, the plain `target_gain`."""
         key = (adapter.uid, adapter.version)
         got = self._gains.get(key)
         if got is None:
             kv = other = 0.0
             for t, (a, b) in adapter.all_factors().items():
-                g = target_gain(a, b, adapter.tensor_scaling(t))
-                if t.rsplit(".", 2)[-2] in KV_TARGETS:
-                    kv = max(kv, g)
+                parts = t.split(".")
+                if parts[-2] in KV_TARGETS:
+                    kv = max(kv, self._kv_gain(a, b, adapter.tensor_scaling(t), parts))
                 else:
-                    other = max(other, g)
+                    other = max(other, target_gain(a, b, adapter.tensor_scaling(t)))
             if len(self._gains) >= GAIN_CACHE_MAX:
                 self._gains.clear()
             got = self._gains[key] = (kv, other)
         return got
+
+    def _kv_gain(self, a: np.ndarray, b: np.ndarray, scaling: float, parts: list[str]) -> float:
+        layer = int(parts[1]) if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() else -1
+        if self._norms is None or not 0 <= layer < len(self._norms):
+            return target_gain(a, b, scaling)
+        w, bias = self._norms[layer]
+        return folded_gain(a, b, scaling, w, bias, self._n_embd) / self.x_bound
 
     def risky(self, sets: Iterable[AdapterSet]) -> bool:
         """Could a token on any of these adapter sets write K/V outside the cache's range?"""
@@ -261,5 +292,5 @@ class KvGuard:
             self._bad |= bad
 
 
-__all__ = ["F16_MAX", "KvCacheError", "KvGuard", "attention_input_bound", "cache_limit", "may_leave_bad_values",
-           "read_bad_values_error", "target_gain"]
+__all__ = ["F16_MAX", "KvCacheError", "KvGuard", "attention_input_bound", "attention_norms", "cache_limit",
+           "folded_gain", "may_leave_bad_values", "read_bad_values_error", "target_gain"]
