@@ -24,14 +24,15 @@ exactly 0 to everyone's attention. A failure that could still have left out-of-r
 logits the guard did not see: `may_leave_bad_values`) makes the scheduler clear the cache's data
 (llama_memory_clear), see scheduler.py.
 
-The bound (docs/server.md, "Numeric safety"): K and V are W·x + s·B·(A·x) with x the attention
-norm's output, so ||x||₂ ≤ √n_embd·max|w| + ||b||₂ (RMSNorm or LayerNorm weight w, bias b). Per
-unit of ||x||₂, target t adds at most g_t = s_t·max_i Σ_j |B_ij|·max_j ||A_j||₂ (s_t = alpha/r_t,
-baked into the factors' scale), and rotary embeddings grow a component by at most √2. An adapter set
-is risky when Σ |scale|·g over its attn_k/attn_v targets, times that norm bound, exceeds a quarter
-of the cache's range (the rest is headroom for the base model's own values), or when any other
-target's Σ |scale|·g exceeds 2^20 (far beyond trained adapters, short of what could overflow F32
-through the feed-forward products). When the norm weights are unknown (not F32/F16 in the file),
+The bound (docs/server.md, "Numeric safety"): K and V are W·x + s·B·(A·x) with x = w ⊙ x̂ + b the
+attention norm's output (RMSNorm or LayerNorm weight w, bias b of that layer, ||x̂||₂ ≤ √n_embd). So
+|Δ_i| ≤ |s|·Σ_j |B_ij|·(||A_j ⊙ w||₂·√n_embd + |A_j·b|) for target t (s = alpha/r_t, baked into the
+factors' scale): `folded_gain`, never wider than ||A_j||₂·||x||₂ with ||x||₂ ≤ √n_embd·max|w| + ||b||₂
+(`x_bound`), and rotary embeddings grow a component by at most √2. An adapter set is risky when
+Σ |scale|·(largest such |Δ| over its attn_k/attn_v targets) exceeds a quarter of the cache's range
+(the rest is headroom for the base model's own values), or when Σ |scale|·g over its other targets
+exceeds 2^20 (g = s·max_i Σ_j |B_ij|·max_j ||A_j||₂ per unit of input; short of what could overflow
+F32 through the feed-forward products). When the norm weights are unknown (not F32/F16 in the file),
 every adapter with attn_k/attn_v targets counts as risky.
 """
 
