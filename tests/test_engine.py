@@ -314,11 +314,11 @@ def test_a_failing_request_fails_alone(tiny_model, tiny_dir, monkeypatch):
 
 @pytest.mark.parametrize("slots", [0, 2])
 def test_an_adapter_whose_output_overflows_the_kv_cache_fails_its_request_alone(tiny_model, tmp_path, slots):
-    """Inside the load bound (no F32 overflow) a delta can still exceed F16's range: the V cache then holds
-    Inf and the logits turn NaN. Greedy argmax would silently pick token 0; instead that request fails
-    with a typed error naming the adapter, on both the greedy and the sampler path, and the request it
-    shared decodes with finishes."""
-    from loramux.errors import RequestFailed
+    """Inside the load bound (no F32 overflow) a delta can still exceed F16's range, and the V cache would
+    hold Inf. With the bank, the KV guard checks every decode of such a set, alone or shared: that request
+    fails with a typed error naming the adapter, on both the greedy and the sampler path. Without one
+    (no eval callback to check with) the set is refused at submit. The other request finishes as alone."""
+    from loramux.errors import RequestFailed, ScaleError
 
     t = "blk.0.attn_v.weight"
     out_dim, in_dim = base_shapes()[t]
@@ -329,11 +329,16 @@ def test_an_adapter_whose_output_overflows_the_kv_cache_fails_its_request_alone(
         eng.load_lora(hot, name="hot", scale=0.0)
         solo = eng.generate(PROMPT, max_tokens=8, ignore_eos=True).tokens
         for temperature in (0.0, 0.8):
+            if not slots:
+                with pytest.raises(ScaleError, match="hot × 1: its keys or values could leave"):
+                    eng.stream(PROMPT, max_tokens=8, loras={"hot": 1.0}, temperature=temperature, seed=1)
+                assert eng.generate(PROMPT, max_tokens=8, ignore_eos=True).tokens == solo
+                continue
             streams = [eng.stream(PROMPT, max_tokens=8, loras={"hot": 1.0}, temperature=temperature, seed=1),
                        eng.stream(PROMPT, max_tokens=8, ignore_eos=True)]
             with pytest.raises(RequestFailed) as err:
                 streams[0].consume()
-            assert err.value.adapters == ["hot"] and "not finite" in str(err.value)
+            assert err.value.adapters == ["hot"] and "KV cache's range" in str(err.value)
             assert streams[1].consume().tokens == solo
     finally:
         eng.close()
@@ -348,8 +353,9 @@ def _constant_adapter(path, value, target="blk.0.attn_v.weight"):
 def _submitted_together(eng, specs):
     """Streams for (prompt, loras, ignore_eos[, max_tokens]) specs, all queued while the engine waits, so
     that they are admitted together and share their first decode."""
-    gate = threading.Event()
-    held = eng.call_async(lambda: gate.wait(30))
+    gate, inside = threading.Event(), threading.Event()
+    held = eng.call_async(lambda: (inside.set(), gate.wait(30)))
+    assert inside.wait(30)  # the engine thread holds the gate: the queue now counts only the submits
     out = [None] * len(specs)
 
     def submit(i, prompt, loras, ignore_eos, max_tokens=8):
@@ -398,14 +404,14 @@ def test_a_request_whose_adapter_overflows_the_kv_cache_cannot_break_the_others_
 
 
 @pytest.mark.parametrize("slots", [0, 2])
-def test_an_adapter_the_kv_bound_cannot_clear_is_checked_or_decoded_alone(tiny_model, tmp_path, slots,
-                                                                          monkeypatch):
+def test_an_adapter_the_kv_bound_cannot_clear_is_checked_or_refused(tiny_model, tmp_path, slots, monkeypatch):
     """An adapter whose bound could leave F16's range but whose values stay inside: with the bank its
-    shared decodes run with the KV guard, which zeroes nothing and changes no token (against the same
-    batches without it); without one (no eval callback) its sequences take turns, one per decode, on the
-    unified cache."""
+    decodes run with the KV guard, alone and shared, which zeroes nothing and changes no token (against the
+    same batches without it); without one (no eval callback) it is refused at submit, even on a unified
+    cache, where its cells would reach every other sequence."""
     from loramux.engine.kv_guard import KvGuard
     from loramux.engine.registry import AdapterSet
+    from loramux.errors import ScaleError
 
     path = _constant_adapter(tmp_path / "mild.gguf", 0.05)
     eng = lm.Engine.load(tiny_model, n_ctx=256, n_parallel=2, n_threads=2, slots=slots, slot_rank=4,
@@ -420,17 +426,25 @@ def test_an_adapter_the_kv_bound_cannot_clear_is_checked_or_decoded_alone(tiny_m
         def pair():
             streams = _submitted_together(eng, [(p, {"mild": scale}, True, 6) for p in ("the cat sat", "a dog ran")])
             return [s.consume().tokens for s in streams]
-        steps = eng.stats()["multi_seq_steps"]
         if slots:
+            steps = eng.stats()["multi_seq_steps"]
             with monkeypatch.context() as m:
                 m.setattr(KvGuard, "risky", lambda self, sets: False)
                 reference = pair()  # the same batches, unguarded
+                alone = eng.generate("the cat sat", loras={"mild": scale}, max_tokens=3, ignore_eos=True).tokens
             before = guard.guarded_decodes
             assert pair() == reference
             assert guard.guarded_decodes > before and eng.stats()["multi_seq_steps"] > steps
+            before = guard.guarded_decodes
+            assert eng.generate("the cat sat", loras={"mild": scale}, max_tokens=3, ignore_eos=True).tokens == alone
+            assert guard.guarded_decodes == before + 3  # a single sequence too: its prefill and each token
         else:
-            assert [len(t) for t in pair()] == [6, 6]
-            assert not guard.available and eng.stats()["multi_seq_steps"] == steps
+            with pytest.raises(ScaleError, match="mild") as err:
+                eng.stream("the cat sat", loras={"mild": scale}, max_tokens=6)
+            assert f"|scale| ≤ {guard.safe_scale(eng.registry.get('mild')):.4g}" in str(err.value)
+            assert not eng.scheduler.can_guard and eng.stats()["decode_steps"] == 0
+            assert [len(eng.generate("the cat sat", loras={"mild": scale / 4}, max_tokens=6,
+                                     ignore_eos=True).tokens)] == [6]  # inside the bound it is served
         assert guard.zeroed_tokens == 0
     finally:
         eng.close()

@@ -146,7 +146,7 @@ class FactorError(LoramuxError):
 
 
 class ScaleError(LoramuxError, ValueError):
-    """A scale or strength is not a finite number."""
+    """A scale or strength is not a finite number, or one this engine cannot serve safely."""
 
     code = "invalid_scale"
 
@@ -290,14 +290,15 @@ class RequestFailed(LoramuxError):
 
     code = "request_failed"
 
-    def __init__(self, stage: str, adapters: Iterable[str], cause: BaseException):
+    def __init__(self, stage: str, adapters: Iterable[str], cause: BaseException, *, hint: str | None = None):
         self.stage = stage
         self.adapters = list(adapters)
         self.cause = cause
         on = ", ".join(self.adapters) or "the base model"
+        # No claim about other requests here: what reached them depends on the failure (see kv_guard.py).
         super().__init__(f"the request failed during {stage} with {on}: {type(cause).__name__}: {cause}",
-                         hint="other requests were not affected; if this repeats with one adapter, "
-                              "check or reload that adapter")
+                         hint=hint or "the engine goes on serving; if this repeats with one adapter, lower "
+                                      "its scale or check or reload that adapter")
 
 
 class RpcError(LoramuxError):

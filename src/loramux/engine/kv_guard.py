@@ -11,18 +11,28 @@ The guard stops the graph at each KV write (SET_ROWS: the K and V rows of the ne
 after it ran and before any attention reads the cells. A token whose values are not all within the
 cache type's range gets its cells zeroed there (finite again: the masked others read 0·0) and is
 reported, so that only its request fails. Stops cost time, so the guard runs only in decodes that
-need it: several sequences on a unified cache, at least one of them with a *risky* adapter set, one
-whose values could leave the cache's range by the static bound below. Trained adapters are far from
-it; an adapter filled with large values is not, and it pays the stops for itself.
+need it: those holding a *risky* adapter set, one whose values could leave the cache's range by the
+static bound below, whatever the decode's size (a single sequence too: the cells it leaves behind are
+read, masked, by later decodes; non-flash attention reads every cell of the padded window). The
+bound holds for any input, so it is wide where a norm weight is large (docs/server.md gives what it
+means on Gemma 3 270M); a set past it pays the stops for itself. The guard needs the slot bank's eval callback and one ubatch per decode on a unified cache;
+an engine without them refuses a risky set at admission (ScaleError, a 400 on the server) instead of
+paying an eval callback on every decode of every request.
 
-The bound (docs/server.md, "Numeric safety"): K and V are W·x + s·B·(A·x) with x the attention
-norm's output, so ||x||₂ ≤ √n_embd·max|w| + ||b||₂ (RMSNorm or LayerNorm weight w, bias b). Per
-unit of ||x||₂, target t adds at most g_t = s_t·max_i Σ_j |B_ij|·max_j ||A_j||₂ (s_t = alpha/r_t,
-baked into the factors' scale), and rotary embeddings grow a component by at most √2. An adapter set
-is risky when Σ |scale|·g over its attn_k/attn_v targets, times that norm bound, exceeds a quarter
-of the cache's range (the rest is headroom for the base model's own values), or when any other
-target's Σ |scale|·g exceeds 2^20 (far beyond trained adapters, short of what could overflow F32
-through the feed-forward products). When the norm weights are unknown (not F32/F16 in the file),
+Cells a failed request leaves are finite then (zeroed or checked), and a finite masked cell adds
+exactly 0 to everyone's attention. A failure that could still have left out-of-range values (non-finite
+logits the guard did not see: `may_leave_bad_values`) makes the scheduler clear the cache's data
+(llama_memory_clear), see scheduler.py.
+
+The bound (docs/server.md, "Numeric safety"): K and V are W·x + s·B·(A·x) with x = w ⊙ x̂ + b the
+attention norm's output (RMSNorm or LayerNorm weight w, bias b of that layer, ||x̂||₂ ≤ √n_embd). So
+|Δ_i| ≤ |s|·Σ_j |B_ij|·(||A_j ⊙ w||₂·√n_embd + |A_j·b|) for target t (s = alpha/r_t, baked into the
+factors' scale): `folded_gain`, never wider than ||A_j||₂·||x||₂ with ||x||₂ ≤ √n_embd·max|w| + ||b||₂
+(`x_bound`), and rotary embeddings grow a component by at most √2. An adapter set is risky when
+Σ |scale|·(largest such |Δ| over its attn_k/attn_v targets) exceeds a quarter of the cache's range
+(the rest is headroom for the base model's own values), or when Σ |scale|·g over its other targets
+exceeds 2^20 (g = s·max_i Σ_j |B_ij|·max_j ||A_j||₂ per unit of input; short of what could overflow
+F32 through the feed-forward products). When the norm weights are unknown (not F32/F16 in the file),
 every adapter with attn_k/attn_v targets counts as risky.
 """
 
@@ -35,7 +45,7 @@ import numpy as np
 
 from .. import _native as N
 from .. import ggml_types as G
-from ..errors import BackendError, RequestFailed
+from ..errors import BackendError, RequestFailed, ScaleError
 from .adapters import LoRAAdapter
 from .model import Model
 from .registry import AdapterSet
@@ -62,19 +72,38 @@ def target_gain(a: np.ndarray, b: np.ndarray, scaling: float) -> float:
     return g if math.isfinite(g) else math.inf
 
 
-def attention_input_bound(model: Model) -> float:
-    """Bound on ||x||₂ of every layer's attention input (its norm's output); inf when unknown."""
-    h, worst = model.header, 0.0
+def attention_norms(model: Model) -> list[tuple[np.ndarray, np.ndarray]] | None:
+    """Each layer's attention norm (weight w, bias b; b zeros without one); None when any is unknown."""
+    out = []
     for i in range(model.n_layer):
         w = _read_vector(model, f"blk.{i}.attn_norm.weight")
-        if w is None:
-            return math.inf
-        b = _read_vector(model, f"blk.{i}.attn_norm.bias") if f"blk.{i}.attn_norm.bias" in h.tensors else 0.0
-        if b is None:
-            return math.inf
-        worst = max(worst, math.sqrt(model.n_embd) * float(np.abs(w).max(initial=0.0))
-                    + float(np.linalg.norm(b)))
+        name = f"blk.{i}.attn_norm.bias"
+        b = _read_vector(model, name) if name in model.header.tensors else np.zeros(model.n_embd, np.float32)
+        if w is None or b is None or not (np.isfinite(w).all() and np.isfinite(b).all()):
+            return None
+        out.append((w, b))
+    return out
+
+
+def attention_input_bound(model: Model) -> float:
+    """Bound on ||x||₂ of every layer's attention input (its norm's output); inf when unknown."""
+    norms = attention_norms(model)
+    if norms is None:
+        return math.inf
+    worst = max((math.sqrt(model.n_embd) * float(np.abs(w).max(initial=0.0)) + float(np.linalg.norm(b))
+                 for w, b in norms), default=0.0)
     return worst if math.isfinite(worst) else math.inf
+
+
+def folded_gain(a: np.ndarray, b: np.ndarray, scaling: float, w: np.ndarray, bias: np.ndarray, n: int) -> float:
+    """Largest |Δ_i| the pair adds to a layer whose input is x = w ⊙ x̂ + bias with ||x̂||₂ ≤ √n (RMS or
+    LayerNorm): |A_j·x| ≤ ||A_j ⊙ w||₂·√n + |A_j·bias|, tighter than ||A_j||₂·||x||₂ where the largest
+    norm weights do not meet the largest factor entries."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        a64 = a.astype(np.float64)
+        reach = np.sqrt(np.square(a64 * w).sum(axis=1)) * math.sqrt(n) + np.abs(a64 @ bias.astype(np.float64))
+        g = abs(scaling) * float((np.abs(b.astype(np.float64)) * reach).sum(axis=1).max(initial=0.0))
+    return g if math.isfinite(g) else math.inf
 
 
 def _read_vector(model: Model, name: str) -> np.ndarray | None:
@@ -92,17 +121,42 @@ def _read_vector(model: Model, name: str) -> np.ndarray | None:
     return np.frombuffer(raw, dtype).astype(np.float32)
 
 
+class KvCacheError(FloatingPointError):
+    """Keys or values out of the KV cache's range that were dealt with: their cells were zeroed as they
+    were written, or the cache's data cleared. Nothing of the failed request is left for others to read."""
+
+
+def may_leave_bad_values(error: BaseException | None) -> bool:
+    """Could a request failing with `error` have left out-of-range values in its KV cells? Non-finite
+    logits the guard did not deal with say so, and so does a KV write the guard could not check."""
+    if isinstance(error, BackendError):
+        return error.function == "KV guard"
+    cause = getattr(error, "cause", None)
+    return isinstance(error, RequestFailed) and isinstance(cause, FloatingPointError) \
+        and not isinstance(cause, KvCacheError)
+
+
+def read_bad_values_error(adapters: Iterable[str]) -> RequestFailed:
+    """The error of a request whose decodes read cells another request left out of range (unified cache)."""
+    return RequestFailed("decode", adapters, KvCacheError(
+        "another request left non-finite keys or values in the shared KV cache, which every sequence's "
+        "attention reads; this request was stopped rather than return what it computed from them, and the "
+        "cache was cleared"), hint="retry the request")
+
+
 class KvGuard:
     """Decides which decodes need the KV-write check, and runs it. Engine thread only.
 
     `stops` is the serving context's eval callback (None when the context has none: the guard cannot
-    run there, and the scheduler decodes risky sets one sequence at a time instead).
+    run there, and the scheduler refuses risky sets instead; see `refusal`).
     """
 
     def __init__(self, model: Model, stops: N.MatmulStops | None, kv_type: str) -> None:
         self.stops, self.kv_type = stops, kv_type
         self.risk_limit = cache_limit(kv_type) / 4 / math.sqrt(2)
         self.x_bound = attention_input_bound(model)
+        self._norms = attention_norms(model) if math.isfinite(self.x_bound) else None
+        self._n_embd = model.n_embd
         self._gains: dict[tuple[int, int], tuple[float, float]] = {}
         self._n_tok = 0
         self._bad = np.zeros(0, bool)
@@ -116,21 +170,31 @@ class KvGuard:
         return self.stops is not None
 
     def gains(self, adapter: LoRAAdapter) -> tuple[float, float]:
-        """(Σ g over its attn_k/attn_v targets, largest g of its other targets), for its current factors."""
+        """(largest g of its attn_k/attn_v targets, largest g of its other targets), for its current factors.
+
+        A K/V target's g is its largest |Δ| over every input its layer's norm can give, divided by
+        `x_bound` (so g·x_bound bounds |Δ|); with the norm unknown, the plain `target_gain`."""
         key = (adapter.uid, adapter.version)
         got = self._gains.get(key)
         if got is None:
             kv = other = 0.0
             for t, (a, b) in adapter.all_factors().items():
-                g = target_gain(a, b, adapter.tensor_scaling(t))
-                if t.rsplit(".", 2)[-2] in KV_TARGETS:
-                    kv = max(kv, g)
+                parts = t.split(".")
+                if parts[-2] in KV_TARGETS:
+                    kv = max(kv, self._kv_gain(a, b, adapter.tensor_scaling(t), parts))
                 else:
-                    other = max(other, g)
+                    other = max(other, target_gain(a, b, adapter.tensor_scaling(t)))
             if len(self._gains) >= GAIN_CACHE_MAX:
                 self._gains.clear()
             got = self._gains[key] = (kv, other)
         return got
+
+    def _kv_gain(self, a: np.ndarray, b: np.ndarray, scaling: float, parts: list[str]) -> float:
+        layer = int(parts[1]) if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() else -1
+        if self._norms is None or not 0 <= layer < len(self._norms):
+            return target_gain(a, b, scaling)
+        w, bias = self._norms[layer]
+        return folded_gain(a, b, scaling, w, bias, self._n_embd) / self.x_bound
 
     def risky(self, sets: Iterable[AdapterSet]) -> bool:
         """Could a token on any of these adapter sets write K/V outside the cache's range?"""
@@ -144,12 +208,34 @@ class KvGuard:
                 return True
         return False
 
+    def safe_scale(self, adapter: LoRAAdapter) -> float:
+        """The largest |scale| at which `adapter` alone is not risky (inf: any scale)."""
+        g_kv, g_other = self.gains(adapter)
+        with np.errstate(divide="ignore"):
+            edges = [self.risk_limit / (g_kv * self.x_bound) if g_kv > 0 else math.inf,
+                     OTHER_GAIN_LIMIT / g_other if g_other > 0 else math.inf]
+        return min(edges)
+
     def overflow_error(self, adapters: Iterable[str]) -> RequestFailed:
         """The error of a request whose cells the guard zeroed."""
-        return RequestFailed("decode", adapters, FloatingPointError(
+        return RequestFailed("decode", adapters, KvCacheError(
             f"its keys or values left the {self.kv_type} KV cache's range (NaN, Inf or |x| > "
-            f"{cache_limit(self.kv_type):g}); it was stopped so that the other requests of its decode were "
-            f"not affected: lower the adapter's scale or check its factors"))
+            f"{cache_limit(self.kv_type):g}); it was stopped and its cells were zeroed as they were written, so "
+            f"no other request reads them"), hint="lower the adapter's scale or check its factors")
+
+    def refusal(self, sets: Sequence[AdapterSet]) -> ScaleError:
+        """The error for a risky set on an engine that cannot run the guard: nothing was decoded."""
+        risky = next((s for s in sets if self.risky([s])), sets[0])
+        named = ", ".join(f"{a.name} × {scale:g}" for a, scale in risky.items)
+        hint = "lower the scale"
+        if len(risky.items) == 1:
+            hint += f" (this engine serves {risky.items[0][0].name} at |scale| ≤ {self.safe_scale(risky.items[0][0]):.4g})"
+        return ScaleError(
+            f"{named}: its keys or values could leave the {self.kv_type} KV cache's range by the bound this engine "
+            f"checks (docs/server.md, 'Numeric safety'), and this engine cannot check them as they are written "
+            f"(that needs the slot bank on a unified KV cache), so it does not serve it",
+            hint=hint + ", or serve with a slot bank (loramux serve --slots N; Engine.load(..., slots=N)), whose "
+                        "KV guard checks such requests")
 
     # -- one guarded decode ---------------------------------------------------------------------
     def arm(self, n_tokens: int) -> None:
@@ -207,4 +293,5 @@ class KvGuard:
             self._bad |= bad
 
 
-__all__ = ["F16_MAX", "KvGuard", "attention_input_bound", "cache_limit", "target_gain"]
+__all__ = ["F16_MAX", "KvCacheError", "KvGuard", "attention_input_bound", "attention_norms", "cache_limit",
+           "folded_gain", "may_leave_bad_values", "read_bad_values_error", "target_gain"]

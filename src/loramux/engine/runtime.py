@@ -80,6 +80,7 @@ class Engine:
         guard = KvGuard(model, self.bank.callback if self.bank else None, opts.kv_type)
         self.scheduler = Scheduler(model, self.ctx, n_parallel, self.bank, opts.deterministic, guard)
         self._eval_ctx: Context | None = None
+        self._eval_risky = False  # the evaluation context last ran a risky adapter set (kv_guard.py)
         self.control: ControlSetting | None = None  # default control-vector setting (see control.py)
         self._retired: list[LoRAAdapter] = []
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = queue.SimpleQueue()
@@ -516,6 +517,9 @@ class Engine:
     def _prepare_eval(self, loras: LoraArg, control: ControlArg) -> Context:
         ctx = self._eval()
         aset: AdapterSet = self.registry.adapter_set(loras)
+        if self._eval_risky:  # the last evaluation's cells may hold out-of-range K/V: zero the data
+            ctx.clear()
+        self._eval_risky = self.scheduler.guard is not None and self.scheduler.guard.risky([aset])
         ctx.handle.set_adapters([a.handle for a, _ in aset.items], [s for _, s in aset.items])
         cv = self.control if control is Inherit.ENGINE else control
         if cv is None:

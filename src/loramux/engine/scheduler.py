@@ -22,11 +22,10 @@ from typing import Any
 from .. import _native as N
 from ..errors import BackendError, LoramuxError, RequestFailed
 from .bank import SlotBank
-from .control import ControlSetting
 from .grammar import ActiveGrammar
-from .kv_guard import KvGuard
+from .kv_guard import KvGuard, may_leave_bad_values, read_bad_values_error
 from .model import Context, Model
-from .registry import AdapterSet
+from .phases import Phase, alora_phases
 from .sampling import Completion, SamplingParams, TextAssembler
 from .scoring import SCORE_ROWS, Scoring
 
@@ -36,27 +35,6 @@ _ids = itertools.count(1)
 GROUP_RUN_STEPS = 8  # steps a group keeps the context before another waiting group gets it
 SLOT_WAIT_STEPS = 32  # decode steps a request may wait for bank slots before no later request passes it
 SLOT_WAITS_KEPT = 4096  # recent slot waits kept for the p50/p99 figures
-
-
-@dataclass
-class Phase:
-    """A stretch of the sequence computed under one adapter set (aLoRA: prefix without, rest with)."""
-
-    adapters: AdapterSet
-    cvec: Any  # control-vector setting with .key and .apply(ctx_handle); None = none
-    start: int  # first position of the phase
-    banked: bool = False  # served through the slot bank (per-token masks); the bank decides at admission
-    slot_scales: list[tuple[int, float]] = field(default_factory=list)  # (slot, request scale) once admitted
-
-    @property
-    def key(self) -> tuple[Any, ...]:
-        """What the KV computed in this phase depends on: adapter identities, versions, scales, cvec."""
-        return (self.adapters.key, getattr(self.cvec, "key", None))
-
-    @property
-    def group_key(self) -> tuple[Any, ...]:
-        """Requests with equal group keys share a decode: every banked phase shares one (masks differ)."""
-        return ("bank", getattr(self.cvec, "key", None)) if self.banked else self.key
 
 
 @dataclass
@@ -118,8 +96,11 @@ class Scheduler:
         self.model = model
         self.ctx = ctx
         self.bank = bank
-        # Only a unified KV cache lets one sequence's cells reach another's attention (kv_guard.py).
-        self.guard = guard if ctx.opts.kv_unified else None
+        # The guard checks KV writes through the bank's eval callback, one ubatch per decode on a unified
+        # cache (kv_guard.py); elsewhere a risky set is refused at submit, or failed before it decodes.
+        self.guard = guard
+        self.can_guard = guard is not None and guard.available and ctx.opts.kv_unified
+        self.quarantined: set[int] = set()  # per-sequence streams that may hold bad values until cleared
         # Deterministic mode never mixes a prompt chunk with other sequences' tokens: llama.cpp would
         # re-split it per sequence, and a 1-token piece takes another attention kernel than solo.
         self.deterministic = deterministic
@@ -137,7 +118,7 @@ class Scheduler:
         # bank_decodes: decodes through the bank's masks (the others had one adapter set for all tokens).
         self.stats = {"adapter_switches": 0, "decode_steps": 0, "prompt_tokens": 0, "generated_tokens": 0,
                       "prompt_tokens_reused": 0, "batch_tokens": 0, "multi_seq_steps": 0, "kv_guard_failures": 0,
-                      "bank_decodes": 0}
+                      "bank_decodes": 0, "kv_clears": 0}
 
     # -- bookkeeping --------------------------------------------------------------------------
     @property
@@ -151,6 +132,10 @@ class Scheduler:
         return any(a is adapter for r in self.waiting + self.running for ph in r.phases for a, _ in ph.adapters.items)
 
     def submit(self, req: Request) -> None:
+        """Queue a request; a risky adapter set this engine cannot guard is refused here (ScaleError)."""
+        sets = [ph.adapters for ph in req.phases]
+        if self.guard is not None and not self.can_guard and self.guard.risky(sets):
+            raise self.guard.refusal(sets)
         self.waiting.append(req)
         if self.bank is not None and len(self.waiting) > self.slots.count(None):
             self._prefetch(req)  # it will wait: make its adapters warm meanwhile (off this thread)
@@ -183,11 +168,9 @@ class Scheduler:
         if not runnable:
             return
         group = self._pick_group(runnable)
-        members = [r for r in runnable if r.phase_at(r.n_past).group_key == group]
-        guarded = self.guard is not None and len(members) > 1 and self.guard.risky(
-            ph.adapters for r in members for ph in r.phases)
-        if guarded and not self.guard.available:  # no eval callback to check with: one at a time
-            members, guarded = [members[self.stats["decode_steps"] % len(members)]], False
+        members, guarded = self._guard_plan([r for r in runnable if r.phase_at(r.n_past).group_key == group])
+        if not members:
+            return
         phase = members[0].phase_at(members[0].n_past)  # before _fill_batch advances n_past
         plan, entries = self._fill_batch(members)
         # deterministic mode keeps every banked decode on the bank: native and bank products round apart
@@ -208,10 +191,25 @@ class Scheduler:
         if guarded:
             plan = self._fail_overflows(plan, entries)
         for r, out_idx in plan:
+            if self.slots[r.seq] is not r:  # failed meanwhile (its cells were cleared with another's)
+                continue
             if r.scoring is not None and not self._score_or_fail(r):
                 continue
             if out_idx is not None:
                 self._sample_or_fail(r, out_idx)
+
+    def _guard_plan(self, members: list[Request]) -> tuple[list[Request], bool]:
+        """Every decode that holds a risky set runs with the KV guard, whatever its size; where the guard
+        cannot run, a set that became risky after admission (an in-place write) fails before it decodes."""
+        g = self.guard
+        risky = {id(r) for r in members if g is not None and g.risky(ph.adapters for ph in r.phases)}
+        if not risky or self.can_guard:
+            return members, bool(risky)
+        assert g is not None
+        for r in members:
+            if id(r) in risky:
+                self._finish(r, error=g.refusal([ph.adapters for ph in r.phases]))
+        return [r for r in members if id(r) not in risky], False
 
     def _decode(self, entries: list[tuple[int, list[tuple[int, float]]]], guarded: bool, masked: bool) -> None:
         """Decode the filled batch, through the bank's masks if asked, with the KV guard if asked."""
@@ -249,8 +247,10 @@ class Scheduler:
                 self._finish(r, reason="cancelled")
 
     def _admit(self) -> None:
+        if self.quarantined and not self.running:
+            self._clear_kv()
         blocked: list[Request] = []
-        while self.waiting and None in self.slots:
+        while self.waiting and any(s is None and i not in self.quarantined for i, s in enumerate(self.slots)):
             r = self.waiting.pop(0)
             if self._waits_for_sibling(r) or (blocked and self._held_back(blocked[0], r)):
                 blocked.append(r)
@@ -268,7 +268,7 @@ class Scheduler:
                 continue
             if r.slots:
                 self._slot_waits.append(time.monotonic() - r.blocked_at if r.blocked_at is not None else 0.0)
-            free = [i for i, s in enumerate(self.slots) if s is None]
+            free = [i for i, s in enumerate(self.slots) if s is None and i not in self.quarantined]
             seq, keep = max(((i, self._reusable(i, r)) for i in free), key=lambda x: x[1])
             shared = self._share(r, seq)
             if shared:
@@ -511,14 +511,18 @@ class Scheduler:
         return self.ctx.n_ctx if o.kv_unified else self.ctx.n_ctx // max(1, o.n_seq_max)
 
     def _finish(self, r: Request, reason: str = "stop", error: Exception | None = None) -> None:
-        if r.seq is not None and self.slots[r.seq] is r:
+        if r.seq is not None and self.slots[r.seq] is not r:
+            return  # finished already (failed with another request's cells)
+        if r.seq is not None:
             self.slots[r.seq] = None
             if error is None:
                 decoded = (r.prompt + r.generated)[: r.n_past]
                 self.slot_cache[r.seq] = (r.cache_key, decoded)
-            else:
+            else:  # no prefix reuse of a failed request's cells
                 self.ctx.handle.memory_seq_rm(r.seq, -1, -1)
                 self.slot_cache[r.seq] = ((), [])
+                if may_leave_bad_values(error):
+                    self._scrub(r.seq)
         if r.sampler is not None:
             r.sampler.close()
         if r.grammar is not None:
@@ -534,6 +538,26 @@ class Scheduler:
         if tail:
             r.emit("text", tail)
         r.emit("done", self._completion(r, reason))
+
+    def _scrub(self, seq: int) -> None:
+        """A failed request may have left out-of-range values in its cells, which attention reads masked
+        too (0·Inf = NaN). On a unified cache every running sequence has read them: they fail, and the data
+        is cleared at once. On per-sequence streams only `seq`'s stream holds them: nothing is admitted to
+        it until no request runs, then the data is cleared."""
+        if self.ctx.opts.kv_unified:
+            for o in self.running:
+                self._finish(o, error=read_bad_values_error(o.phase_at(o.n_past).adapters.as_dict()))
+            self._clear_kv()
+        else:
+            self.quarantined.add(seq)
+            if not self.running:
+                self._clear_kv()
+
+    def _clear_kv(self) -> None:
+        self.ctx.handle.memory_clear()  # llama_memory_clear(data=True): the K/V data too, not only the cells
+        self.slot_cache = [((), []) for _ in range(self.n_parallel)]
+        self.quarantined.clear()
+        self.stats["kv_clears"] += 1
 
     def _completion(self, r: Request, reason: str) -> Completion:
         text = r.text.text if r.text is not None else ""
@@ -562,36 +586,6 @@ def _phase_end(r: Request) -> int:
         if ph.start > r.n_past:
             return ph.start
     return len(r.prompt)
-
-
-def alora_phases(aset: AdapterSet, cv: ControlSetting | None, tokens: list[int]) -> tuple[list[Phase], dict[str, bool]]:
-    """aLoRA rule: an adapter with invocation tokens applies from the last occurrence of its sequence on."""
-    aloras = aset.aloras
-    if not aloras:
-        return [Phase(aset, cv, 0)], {}
-    found: dict[str, bool] = {}
-    starts = []
-    for a in aloras:
-        pos = _last_occurrence(tokens, list(a.invocation_tokens))
-        found[a.name] = pos is not None
-        if pos is not None:
-            starts.append(pos)
-    base = aset.without_alora()
-    active = AdapterSet(tuple((a, s) for a, s in aset.items if not a.is_alora or found[a.name]))
-    if not starts:
-        return [Phase(base, cv, 0)], found
-    start = min(starts)  # several aLoRAs: all switch on at the earliest invocation (documented)
-    if start == 0:
-        return [Phase(active, cv, 0)], found
-    return [Phase(base, cv, 0), Phase(active, cv, start)], found
-
-
-def _last_occurrence(seq: list[int], sub: list[int]) -> int | None:
-    n = len(sub)
-    for i in range(len(seq) - n, -1, -1):
-        if seq[i:i + n] == sub:
-            return i
-    return None
 
 
 __all__ = ["Phase", "Request", "Scheduler", "BackendError", "alora_phases"]

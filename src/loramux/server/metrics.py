@@ -80,10 +80,12 @@ class _LiveCollector:
              "adapter_switches"),
             ("loramux_decode_steps", "Decode calls of the serving context.", "decode_steps"),
             ("loramux_adapter_evictions", "Adapters evicted by the LRU (--max-loaded).", "evictions"),
-            ("loramux_kv_guarded_decodes", "Decodes run with the KV guard (a risky adapter set shared them; "
+            ("loramux_kv_guarded_decodes", "Decodes run with the KV guard (they held a risky adapter set; "
              "see docs/server.md, 'Numeric safety').", "kv_guarded_decodes"),
             ("loramux_kv_guard_failures", "Requests the KV guard stopped: their keys or values left the "
              "KV cache's range.", "kv_guard_failures"),
+            ("loramux_kv_clears", "Times the KV cache's data was zeroed because a failed request may have left "
+             "out-of-range keys or values (see docs/server.md, 'Numeric safety').", "kv_clears"),
         ):
             yield CounterMetricFamily(name, doc, value=s.get(key, 0))
         loads = CounterMetricFamily("loramux_adapter_loads", "Adapter loads at runtime.", labels=["result"])
