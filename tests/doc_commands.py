@@ -31,7 +31,7 @@ class Script:
     commands: tuple[str, ...]
 
 
-def _fenced(path: Path) -> list[tuple[int, str, list[str]]]:
+def fenced_blocks(path: Path) -> list[tuple[int, str, list[str]]]:
     """(line of the opening fence, language, lines) of each fenced block of a Markdown file."""
     lines = path.read_text(encoding="utf-8").splitlines()
     out, i = [], 0
@@ -86,7 +86,7 @@ def doc_scripts() -> list[Script]:
     out = []
     for doc in DOCS:
         rel = doc.relative_to(ROOT)
-        for line, lang, lines in _fenced(doc):
+        for line, lang, lines in fenced_blocks(doc):
             if lang in SHELL_LANGS or lang == "console":
                 cmds = command_lines(lines, prompt=lang == "console")
                 if cmds:
@@ -98,7 +98,7 @@ def untagged_command_blocks() -> list[str]:
     """Untagged blocks that hold `loramux` commands but no synopsis brackets: they should be ```bash."""
     out = []
     for doc in DOCS:
-        for line, lang, lines in _fenced(doc):
+        for line, lang, lines in fenced_blocks(doc):
             cmd = [ln for ln in lines if re.match(r"^\s*(\$ )?loramux\s", ln)]
             if not lang and cmd and not any("[" in ln for ln in cmd):
                 out.append(f"{doc.relative_to(ROOT)}:L{line}")

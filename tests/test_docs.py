@@ -32,6 +32,7 @@ from pathlib import Path
 
 import doc_fixtures
 import pytest
+from doc_commands import fenced_blocks
 from doc_fixtures import (
     EVAL,
     TRAIN,
@@ -51,7 +52,6 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 MARK = re.compile(r"^<!--\s*doc-test:\s*(?P<mode>[\w-]+)\s*(?:\((?P<reason>.*)\))?\s*-->\s*$")
 MODES = ("gemma", "skip")
-FENCE = re.compile(r"^(?P<fence>```+|~~~+)\s*(?P<lang>[\w+-]*)")
 
 
 # ------------------------------------------------------------------------------------------ blocks
@@ -73,21 +73,10 @@ def read_blocks(path: Path) -> list[Block]:
     """The fenced blocks of one Markdown file, each with the doc-test mark on the line above it."""
     lines = path.read_text(encoding="utf-8").splitlines()
     out: list[Block] = []
-    i = 0
-    while i < len(lines):
-        m = FENCE.match(lines[i])
-        if not m:
-            i += 1
-            continue
-        start, fence = i, m["fence"]
-        i += 1
-        while i < len(lines) and not lines[i].startswith(fence):
-            i += 1
-        above = lines[start - 1].strip() if start else ""
-        mark = MARK.match(above)
-        out.append(Block(str(path.relative_to(ROOT)), start + 1, m["lang"].lower(), "\n".join(lines[start + 1:i]),
+    for line, lang, body in fenced_blocks(path):
+        mark = MARK.match(lines[line - 2].strip()) if line > 1 else None
+        out.append(Block(str(path.relative_to(ROOT)), line, lang, "\n".join(body),
                          mark["mode"] if mark else None, (mark["reason"] or "").strip() or None if mark else None))
-        i += 1
     return out
 
 
