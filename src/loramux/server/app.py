@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ..engine.bank import bank_info
 from ..engine.runtime import Engine
 from ..sources import CancelToken
-from . import generation, scoring, tokenize
+from . import generation, protocols, scoring, tokenize
 from .config import ServerSettings
 from .errors import install_handlers
 from .guard import Guard, admin_routes, is_admin, uvicorn_config
@@ -105,6 +105,7 @@ def _routes(app: FastAPI, state: ServerState) -> None:
         return {"object": "list", "data": data}
 
     _generation_routes(app, state)
+    protocols.add_routes(app, state)
     tokenize.add_routes(app, state)
     _adapter_routes(app, state)
 
