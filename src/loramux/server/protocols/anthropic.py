@@ -103,6 +103,19 @@ class Thinking(_Body):
     display: str | None = None
 
 
+class OutputFormat(_Body):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Body):
+    """`output_config`: `format` (structured output, grammar-enforced); `effort` only tunes a model's reasoning
+    and this one does not reason (docs/anthropic.md)."""
+
+    format: OutputFormat | None = None
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+
+
 class Metadata(_Body):
     user_id: str | None = Field(default=None, max_length=256)
 
@@ -130,6 +143,9 @@ class MessagesRequest(CountRequest):
     stream: bool = False
     metadata: Metadata | None = None
     service_tier: Literal["auto", "standard_only"] | None = None  # one tier here: both mean it
+    output_config: OutputConfig | None = None
+    output_format: OutputFormat | None = None  # the beta's name for output_config.format
+    cache_control: dict[str, Any] | None = None  # automatic prompt caching: the prefix KV is reused anyway
     control_vector: ControlRef | None = None
 
 
@@ -211,6 +227,9 @@ def to_chat(body: CountRequest) -> ChatRequest:
         fields.update(max_tokens=body.max_tokens, stop=body.stop_sequences, temperature=body.temperature,
                       top_p=body.top_p, top_k=body.top_k, stream=body.stream, control_vector=body.control_vector,
                       user=body.metadata.user_id if body.metadata else None)
+        fmt = body.output_format or (body.output_config.format if body.output_config else None)
+        if fmt is not None:
+            fields["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt.schema_}}
     fields = {k: v for k, v in fields.items() if v is not None}
     return layer.internal(lambda: ChatRequest.model_validate(fields))
 
