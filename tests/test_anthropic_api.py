@@ -132,8 +132,8 @@ def test_thinking_is_answered_visibly(srv):
 
 def test_langchain_chat_anthropic(srv):
     pytest.importorskip("langchain_anthropic")
-    from langchain_core.tools import tool
     from langchain_anthropic import ChatAnthropic
+    from langchain_core.tools import tool
 
     @tool
     def add(a: int, b: int) -> int:
