@@ -161,7 +161,7 @@ def test_refusals_are_ollama_shaped(srv):
     err(httpx.post(url + "/api/chat", json={**chat, "think": True}), 400, "think")
     err(httpx.post(url + "/api/chat", json={**chat, "model": "zzz"}), 404, "zzz")
     err(httpx.post(url + "/api/chat", json={**chat, "options": {"num_ctx": 10**6}}), 400, "num_ctx")
-    err(httpx.post(url + "/api/chat", json={**chat, "options": {"num_predict": 5000}}), 400, "max_tokens")
+    err(httpx.post(url + "/api/chat", json={**chat, "options": {"num_predict": 5000}}), 400, "num_predict", "1024")
     err(httpx.post(url + "/api/chat", content=b"{not json", headers={"Content-Type": "application/json"}), 400, "JSON")
     err(httpx.post(url + "/api/generate", json={"model": "tiny", "prompt": "x", "suffix": "y"}), 400, "suffix")
     err(httpx.post(url + "/api/chat", json={**chat, "messages": [{"role": "user", "content": "x", "images": ["a"]}]}),

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
@@ -24,6 +24,7 @@ from ..schemas import (
     MAX_CONTENT_PARTS,
     MAX_MESSAGES,
     MAX_NAME_CHARS,
+    MAX_PROMPT_CHARS,
     MAX_TOOLS,
     ChatRequest,
     ControlRef,
@@ -55,6 +56,9 @@ def error_response(err: APIError) -> Response:
 ERROR_SHAPES[PREFIX] = error_response
 
 
+Text = Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
@@ -68,7 +72,7 @@ class Block(_Body):
     name: str | None = Field(default=None, max_length=128)
     input: dict[str, Any] | None = None
     tool_use_id: str | None = Field(default=None, max_length=256)
-    content: str | list[Block] | None = Field(default=None, max_length=MAX_CONTENT_PARTS)
+    content: Text | Annotated[list[Block], Field(max_length=MAX_CONTENT_PARTS)] | None = None
     is_error: bool | None = None
     cache_control: dict[str, Any] | None = None  # a prompt-caching hint: the prefix KV is reused anyway
     citations: list[Any] | None = None
@@ -80,7 +84,7 @@ class Block(_Body):
 
 class Message(_Body):
     role: Literal["user", "assistant"]
-    content: str | list[Block] = Field(max_length=MAX_CONTENT_PARTS)
+    content: Text | Annotated[list[Block], Field(max_length=MAX_CONTENT_PARTS)]
 
 
 class ToolDef(_Body):
@@ -125,7 +129,7 @@ class CountRequest(_Body):
 
     model: str = Field(max_length=MAX_NAME_CHARS)
     messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
-    system: str | list[Block] | None = None
+    system: Text | Annotated[list[Block], Field(max_length=MAX_CONTENT_PARTS)] | None = None
     tools: list[ToolDef] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None

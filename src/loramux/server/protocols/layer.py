@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -116,11 +117,25 @@ def internal(make: Callable[[], M]) -> M:
         raise validation_error(e.errors(include_url=False)) from None
 
 
-async def open_request(state: ServerState, body: Body) -> Opened:
+def renamed(err: APIError, names: Mapping[str, str]) -> APIError:
+    """`err` with the internal request's field names (max_tokens, messages) in the protocol's words."""
+    if err.param is None or err.param.split(".")[0] not in names:
+        return err
+    head = err.param.split(".")[0]
+    message = re.sub(rf"\b{head}\b", names[head], err.message)
+    return APIError(err.status, message, code=err.code, param=names[head] + err.param[len(head):], type=err.type,
+                    headers=err.headers)
+
+
+async def open_request(state: ServerState, body: Body, names: Mapping[str, str] | None = None) -> Opened:
     """Admit the request (the bounded queue), resolve its adapters and start it on the engine; a failure
-    before it runs is counted in the metrics like one of chat completions."""
-    with generation.counts_failure(state, body.model):
-        job = await generation.start(state, body, isinstance(body, ChatRequest))
+    before it runs is counted in the metrics like one of chat completions, and raised with the fields
+    named as the protocol names them (`names`: internal → protocol)."""
+    try:
+        with generation.counts_failure(state, body.model):
+            job = await generation.start(state, body, isinstance(body, ChatRequest))
+    except Exception as e:  # noqa: BLE001 - re-raised, renamed
+        raise renamed(from_exception(e), names or {}) from None
     return Opened(job, body)
 
 
@@ -225,4 +240,4 @@ def new_id(prefix: str) -> str:
 
 
 __all__ = ["Body", "Call", "Event", "EventStream", "Finished", "Opened", "Result", "TextDelta", "events", "internal",
-           "new_id", "open_request", "parse", "prompt_size", "result"]
+           "new_id", "open_request", "parse", "prompt_size", "renamed", "result"]

@@ -386,7 +386,7 @@ async def _generation(state: ServerState, http: HTTPRequest, chat: bool) -> Resp
                              **({"message": {"role": "assistant", "content": ""}} if chat else {"response": ""})})
     name, streaming = body.model, body.stream
     req = chat_request(state, body) if isinstance(body, ChatBody) else await generate_request(state, body)
-    op = await layer.open_request(state, req)
+    op = await layer.open_request(state, req, {"max_tokens": "options.num_predict"})
     if streaming:
         return layer.EventStream(op, stream(op, name, chat), "application/x-ndjson")
     r = await layer.result(op, http)
