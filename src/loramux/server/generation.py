@@ -165,13 +165,14 @@ async def start(state: ServerState, body: CompletionRequest | ChatRequest, chat:
 
 
 async def submit_job(state: ServerState, body: CompletionRequest | ChatRequest, chat: bool, ticket: Ticket | None,
-                     tokens: list[int] | None = None, extra: dict[str, Any] | None = None) -> Job:
+                     tokens: list[int] | None = None, extra: dict[str, Any] | None = None,
+                     plan: ToolPlan | None = None) -> Job:
     """Resolve a request's adapters and hand it to the engine. `tokens`: its prompt, when the caller
-    tokenized it already; `extra`: more engine settings (scoring's logprobs, a sequence's seed)."""
+    tokenized it already (with its tool `plan`, from chat_prompt); `extra`: more engine settings
+    (scoring's logprobs, a sequence's seed)."""
     started = time.monotonic()
     loras = state.pool.requested_set(body.model, body.lora)
     control = await state.control_setting(body.control_vector)
-    plan = None
     if tokens is None and isinstance(body, ChatRequest):
         tokens, plan = await asyncio.to_thread(chat_prompt, state, body)
     elif tokens is None:
