@@ -107,6 +107,7 @@ class Workspace:
     hub: Server  # Hugging Face Hub stand-in (HF_ENDPOINT) and plain HTTPS stand-in
     stack: contextlib.ExitStack
     made: dict[str, Path] = field(default_factory=dict)
+    server: str | None = None  # the block's loramux server, once started
 
     def file(self, name: str) -> Path:
         """Make the fixture file `name` in the workspace (once) and return its path."""
@@ -121,11 +122,13 @@ class Workspace:
         return self.hub.url(f"/files/{name}") + "#sha256=" + hashlib.sha256(data).hexdigest()
 
     def openai_server(self) -> str:
-        """A real loramux server on the block's model with the adapters the docs name; its base URL."""
+        """A real loramux server on the block's model with the adapters the docs name (one per block); its URL."""
+        if self.server is not None:
+            return self.server
         import loramux as lm
         from loramux.server import ServerSettings, create_app, serve_in_thread
 
-        eng = lm.Engine.load(self.model, n_ctx=512, n_parallel=4, n_threads=2)
+        eng = lm.Engine.load(self.model, n_ctx=2048, n_parallel=4, n_threads=2)  # tool prompts on the tiny vocabulary
         try:
             for name in SERVER_FILES:
                 eng.load_lora(self.file(name), Path(name).stem)
@@ -135,6 +138,7 @@ class Workspace:
             eng.close()
             raise
         srv = self.stack.enter_context(serve_in_thread(app))
+        self.server = srv.url
         return srv.url
 
 
@@ -244,6 +248,8 @@ CONTROL_FILES: dict[str, Callable[[Workspace, Path], Path]] = {"formal.gguf": _c
 SUBSTITUTIONS: dict[str, Callable[[Workspace], str]] = {
     "https://example.org/style.gguf#sha256=…": lambda ws: ws.url_for("style.gguf"),
     "http://127.0.0.1:8080/v1": lambda ws: ws.openai_server() + "/v1",
+    # the server's root, for the clients of Anthropic's and Ollama's APIs (after the /v1 form: same server)
+    "http://127.0.0.1:8080": lambda ws: ws.openai_server(),
 }
 
 
