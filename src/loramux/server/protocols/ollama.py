@@ -6,7 +6,7 @@ variants of the one model they are (docs/ollama.md). A request may also name the
 name, or `<adapter>:latest`. Streaming is NDJSON and on by default, as in Ollama. Fields are honoured or
 refused with Ollama's error shape (`{"error": "..."}`) naming them. Extensions (the `ollama` client does
 not send them, raw HTTP can): `lora`, `control_vector`, `tool_choice` (chat completions' values).
-Model management (pull, push, create, copy, delete, blobs) is refused by name: adapters are loaded on
+Model management (pull, push, create, copy, delete) is refused by name (blobs: 404): adapters are loaded on
 loramux's admin plane (POST /v1/load_lora_adapter). There are no embeddings: /api/embed answers 501.
 """
 
@@ -459,7 +459,6 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         return refused
     for what in MANAGEMENT:
         app.add_api_route(f"/api/{what}", refuse(what), methods=["DELETE" if what == "delete" else "POST"])
-    app.add_api_route("/api/blobs/{digest}", refuse("blobs"), methods=["HEAD", "POST"])
 
 
 __all__ = ["VERSION", "ChatBody", "GenerateBody", "add_routes", "chat_request", "generate_request", "resolve", "show",
