@@ -378,7 +378,7 @@ async def _events(group: Group, pieces: Pieces, states: list[_Choice]
                     continue
             entries, st.pending = st.pending, []
             yield await asyncio.to_thread(_chunk, group, k, value, entries, pieces, st)
-            await asyncio.sleep(0)  # see generation.stream: lets a disconnect be seen between chunks
+            await asyncio.sleep(0)  # see protocols/openai.stream: lets a disconnect be seen between chunks
         elif kind == "error":
             raise value
         elif kind == "done":

@@ -1,16 +1,19 @@
-"""The protocols beside OpenAI's chat/completions, each a thin module over the response layer (layer.py):
-Anthropic Messages (anthropic.py), OpenAI Responses (responses.py), Ollama's API (ollama.py)."""
+"""The protocols the server speaks, over the engine path of server/generation.py: OpenAI's chat completions
+and completions (openai.py, with scoring.py for logprobs and fan-out), and, each a thin module over the
+response layer (layer.py), Anthropic Messages (anthropic.py), OpenAI Responses (responses.py) and Ollama's
+API (ollama.py)."""
 
 from __future__ import annotations
 
 from fastapi import FastAPI
 
 from ..state import ServerState
-from . import anthropic, ollama, responses
+from . import anthropic, ollama, openai, responses
 
 
 def add_routes(app: FastAPI, state: ServerState) -> None:
     """Every protocol's routes; each answers its errors in its own shape (errors.ERROR_SHAPES)."""
+    openai.add_routes(app, state)
     anthropic.add_routes(app, state)
     ollama.add_routes(app, state)
     responses.add_routes(app, state)

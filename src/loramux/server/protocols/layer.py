@@ -196,7 +196,7 @@ async def events(opened: Opened) -> AsyncIterator[Event]:
                     value = job.tool_stream.feed(value)
                 if value:
                     yield TextDelta(value)
-                    await asyncio.sleep(0)  # see generation.stream: lets a disconnect be seen between chunks
+                    await asyncio.sleep(0)  # see protocols/openai.stream: lets a disconnect be seen between chunks
             elif kind == "error":
                 err = from_exception(value)
                 job.finish(err.status)
