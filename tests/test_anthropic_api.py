@@ -120,6 +120,8 @@ def test_keys_and_errors_are_anthropic_shaped(srv):
     err({**base, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, 400, "image")
     err({**base, "tools": [ADD], "tool_choice": {"type": "tool", "name": "nope"}}, 400, "nope")
     err({**base, "temperature": 3}, 400, "temperature")
+    err({**base, "tool_choice": {"type": "any"}}, 400, "tool_choice")
+    err({**base, "messages": [{"role": "assistant", "content": [{"type": "tool_use", "input": {}}]}]}, 400, "id")
     err({"model": "zzz", "messages": base["messages"]}, 404, "zzz", path="/v1/messages/count_tokens")
     assert httpx.get(url + "/health").status_code == 200
 

@@ -187,6 +187,9 @@ def _messages(body: CountRequest) -> list[dict[str, Any]]:
             if b.type == "text":
                 texts.append(b.text or "")
             elif b.type == "tool_use" and m.role == "assistant":
+                if not b.id or not b.name:
+                    raise APIError(400, "a tool_use block needs its id and name", code="invalid_request",
+                                   param=f"{where}.{j}")
                 calls.append({"id": b.id, "type": "function",
                               "function": {"name": b.name or "", "arguments": json.dumps(b.input or {})}})
             elif b.type == "tool_result" and m.role == "user":
@@ -209,7 +212,10 @@ def _messages(body: CountRequest) -> list[dict[str, Any]]:
 
 def _tool_fields(body: CountRequest) -> dict[str, Any]:
     if not body.tools:
-        return {"tool_choice": "none"} if body.tool_choice is not None and body.tool_choice.type == "none" else {}
+        if body.tool_choice is not None and body.tool_choice.type != "none":
+            raise APIError(400, f"tool_choice {body.tool_choice.type} needs tools", code="invalid_request",
+                           param="tool_choice")
+        return {}
     tools = [{"type": "function", "function": {"name": t.name, "description": t.description,
                                                 "parameters": t.input_schema}} for t in body.tools]
     out: dict[str, Any] = {"tools": tools}
