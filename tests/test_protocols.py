@@ -5,6 +5,8 @@ protocol's error shape."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 from test_server import _metric, adir, serving  # noqa: F401 - adir is a fixture
@@ -78,4 +80,45 @@ def test_guard_refusals_take_each_protocols_shape(srv):
     assert r.status_code == 405 and isinstance(r.json()["error"], str)
     r = httpx.post(url + "/v1/messages", content=b"x", headers={"x-api-key": KEY, "Content-Type": "text/plain"})
     assert r.status_code == 415 and r.json()["type"] == "error"
+    assert httpx.get(url + "/health").status_code == 200
+
+
+HOSTILE = ["\ud800", "\x00", "{{ raise('x') }}", "<start_of_turn>", "😀" * 50, "", None, 10**30, -1, [], {}, 1e308]
+
+
+def _bodies() -> list[tuple[str, dict]]:
+    """One valid body per new route; every field of each is then replaced by each hostile value."""
+    msgs = [{"role": "user", "content": "hi"}]
+    return [("/v1/messages", {"model": "a", "max_tokens": 3, "messages": msgs, "system": "s", "stop_sequences": ["x"],
+                              "tools": [{"name": "f", "input_schema": {"type": "object"}}],
+                              "tool_choice": {"type": "auto"}, "metadata": {"user_id": "u"}}),
+            ("/v1/messages/count_tokens", {"model": "a", "messages": msgs}),
+            ("/v1/responses", {"model": "a", "input": [{"role": "user", "content": "hi"}], "max_output_tokens": 3,
+                               "instructions": "i", "text": {"format": {"type": "text"}},
+                               "tools": [{"type": "function", "name": "f"}], "tool_choice": "auto"}),
+            ("/api/chat", {"model": "tiny:a", "messages": msgs, "stream": False, "format": "json",
+                           "options": {"num_predict": 3, "stop": ["x"], "seed": 1}, "keep_alive": "5m"}),
+            ("/api/generate", {"model": "tiny", "prompt": "hi", "system": "s", "stream": False,
+                               "options": {"num_predict": 3}}),
+            ("/api/show", {"model": "tiny:b"})]
+
+
+def test_hostile_values_in_every_field_never_5xx(srv):
+    url = srv[0].url
+    deep = '{"model": "a", "max_tokens": 2, "messages": [{"role": "user", "content": ' + "[" * 1500 + "]" * 1500 + "}]}"
+    r = httpx.post(url + "/v1/messages", content=deep, headers={"x-api-key": KEY, "Content-Type": "application/json"})
+    assert r.status_code == 400 and r.json()["type"] == "error", r.text  # deeper than the JSON parser goes
+    with httpx.Client(headers={**AUTH, "x-api-key": KEY, "Content-Type": "application/json"}, timeout=120) as c:
+        for path, body in _bodies():
+            ok = c.post(url + path, json=body)
+            assert ok.status_code == 200, (path, ok.text)
+            for key in body:
+                for value in HOSTILE:
+                    r = c.post(url + path, content=json.dumps({**body, key: value}))  # lone surrogates escaped
+                    assert r.status_code < 500, (path, key, value, r.text)
+                    if r.status_code >= 400:
+                        got = r.json()
+                        shape = ("type" in got and "error" in got) if path.startswith("/v1/messages") else \
+                            isinstance(got.get("error"), str) if path.startswith("/api/") else "message" in got["error"]
+                        assert shape, (path, key, got)
     assert httpx.get(url + "/health").status_code == 200
