@@ -87,6 +87,8 @@ def from_exception(exc: BaseException) -> APIError:
     """Map any exception to an APIError (typed loramux errors keep their code and parameter)."""
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, RecursionError):  # a JSON body nested deeper than the parser goes
+        return APIError(400, "the body is nested too deeply", code="invalid_request")
     if isinstance(exc, AdapterNotFoundError):
         return APIError(404, str(exc), code="adapter_not_found", param="lora")
     if isinstance(exc, ContextLengthError):

@@ -306,8 +306,7 @@ async def stream(op: Opened) -> AsyncIterator[str]:
         yield _sse("error", {"error": error_body(e)["error"]})
 
 
-async def _serve(state: ServerState, http: HTTPRequest) -> Response:
-    body = layer.parse(MessagesRequest, await http.body())
+async def _serve(state: ServerState, body: MessagesRequest, http: HTTPRequest) -> Response:
     if body.thinking is not None and body.thinking.type == "enabled" and body.thinking.budget_tokens is not None \
             and body.thinking.budget_tokens >= body.max_tokens:
         raise APIError(400, "thinking.budget_tokens must be less than max_tokens", code="invalid_request",
@@ -323,16 +322,15 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     """POST /v1/messages and /v1/messages/count_tokens (a query string, as Claude Code's `?beta=true`, is fine)."""
 
     @app.post(PREFIX)
-    async def messages(http: HTTPRequest) -> Response:
+    async def messages(body: MessagesRequest, http: HTTPRequest) -> Response:
         try:
-            return await _serve(state, http)
+            return await _serve(state, body, http)
         except Exception as e:  # noqa: BLE001 - every failure answers in Anthropic's shape
             return error_response(from_exception(e))
 
     @app.post(PREFIX + "/count_tokens")
-    async def count_tokens(http: HTTPRequest) -> Response:
+    async def count_tokens(body: CountRequest) -> Response:
         try:
-            body = layer.parse(CountRequest, await http.body())
             chat = to_chat(body)
             state.pool.requested_set(chat.model, chat.lora)  # an unknown model is a 404 here too
             return JSONResponse({"input_tokens": await layer.prompt_size(state, chat)})

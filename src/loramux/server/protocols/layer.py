@@ -95,20 +95,6 @@ class Opened:
     id: str = field(default_factory=lambda: secrets.token_hex(12))
 
 
-def parse(model: type[M], raw: bytes) -> M:
-    """A protocol body from the request bytes: a 400 naming the bad fields, never a 500."""
-    try:
-        data = json.loads(raw) if raw else None
-    except ValueError as e:
-        raise APIError(400, f"the body is not valid JSON: {e}", code="invalid_request") from None
-    if not isinstance(data, dict):
-        raise APIError(400, "the body must be a JSON object", code="invalid_request")
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        raise validation_error(e.errors(include_url=False)) from None
-
-
 def internal(make: Callable[[], M]) -> M:
     """Build the internal request; a translation that breaks one of its bounds is a 400 naming the field."""
     try:
@@ -240,4 +226,4 @@ def new_id(prefix: str) -> str:
 
 
 __all__ = ["Body", "Call", "Event", "EventStream", "Finished", "Opened", "Result", "TextDelta", "events", "internal",
-           "new_id", "open_request", "parse", "prompt_size", "renamed", "result"]
+           "new_id", "open_request", "prompt_size", "renamed", "result"]

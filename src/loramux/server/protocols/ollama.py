@@ -377,8 +377,8 @@ async def stream(op: Opened, name: str, chat: bool) -> AsyncIterator[str]:
         yield _line({"error": e.message})
 
 
-async def _generation(state: ServerState, http: HTTPRequest, chat: bool) -> Response:
-    body: ChatBody | GenerateBody = layer.parse(ChatBody if chat else GenerateBody, await http.body())
+async def _generation(state: ServerState, body: ChatBody | GenerateBody, http: HTTPRequest) -> Response:
+    chat = isinstance(body, ChatBody)
     if not (body.messages if isinstance(body, ChatBody) else body.prompt):  # Ollama's "load the model" call
         body.check()
         resolve(state, body.model)
@@ -431,18 +431,18 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/api/show")
     @_guarded
-    async def show_model(http: HTTPRequest) -> Response:
-        return JSONResponse(show(state, layer.parse(ShowBody, await http.body()).model))
+    async def show_model(body: ShowBody) -> Response:
+        return JSONResponse(show(state, body.model))
 
     @app.post("/api/chat")
     @_guarded
-    async def chat(http: HTTPRequest) -> Response:
-        return await _generation(state, http, chat=True)
+    async def chat(body: ChatBody, http: HTTPRequest) -> Response:
+        return await _generation(state, body, http)
 
     @app.post("/api/generate")
     @_guarded
-    async def generate(http: HTTPRequest) -> Response:
-        return await _generation(state, http, chat=False)
+    async def generate(body: GenerateBody, http: HTTPRequest) -> Response:
+        return await _generation(state, body, http)
 
     async def no_embeddings() -> Response:
         return error_response(APIError(501, "embeddings are not served: loramux runs generation models only",

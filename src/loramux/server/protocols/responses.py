@@ -399,8 +399,7 @@ async def stream(shape: Shape) -> AsyncIterator[str]:
 RENAMED = {"max_tokens": "max_output_tokens", "messages": "input"}
 
 
-async def _serve(state: ServerState, http: HTTPRequest) -> Response:
-    body = layer.parse(ResponsesRequest, await http.body())
+async def _serve(state: ServerState, body: ResponsesRequest, http: HTTPRequest) -> Response:
     chat, skipped = to_chat(body)
     op = await layer.open_request(state, chat, RENAMED)
     shape = Shape(op, body, skipped)
@@ -414,9 +413,9 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     """POST /v1/responses (errors in OpenAI's shape, as the Responses API answers them)."""
 
     @app.post("/v1/responses")
-    async def responses(http: HTTPRequest) -> Response:
+    async def responses(body: ResponsesRequest, http: HTTPRequest) -> Response:
         try:
-            return await _serve(state, http)
+            return await _serve(state, body, http)
         except Exception as e:  # noqa: BLE001 - every failure is an OpenAI-shaped error
             return layer.renamed(from_exception(e), RENAMED).response()
 
