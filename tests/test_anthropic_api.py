@@ -126,10 +126,14 @@ def test_keys_and_errors_are_anthropic_shaped(srv):
     assert httpx.get(url + "/health").status_code == 200
 
 
-def test_thinking_is_answered_visibly(srv):
+def test_thinking_and_context_management_are_answered_visibly(srv):
     m = _client(srv).messages.create(model="tiny", max_tokens=4, thinking={"type": "adaptive"},
                                      messages=[{"role": "user", "content": "x"}])
     assert all(b.type == "text" for b in m.content)  # this model does not think: no thinking block
+    r = httpx.post(srv[0].url + "/v1/messages", headers={"x-api-key": "sk-test"}, json={
+        "model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}],
+        "context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}})
+    assert r.status_code == 200 and r.json()["context_management"] == {"applied_edits": []}
 
 
 def test_langchain_chat_anthropic(srv):

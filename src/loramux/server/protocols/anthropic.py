@@ -150,6 +150,9 @@ class MessagesRequest(CountRequest):
     output_config: OutputConfig | None = None
     output_format: OutputFormat | None = None  # the beta's name for output_config.format
     cache_control: dict[str, Any] | None = None  # automatic prompt caching: the prefix KV is reused anyway
+    # server-side context editing (Claude Code sends it): the conversation is run as sent, and the response
+    # says so with no applied edits
+    context_management: dict[str, Any] | None = None
     control_vector: ControlRef | None = None
 
 
@@ -258,11 +261,15 @@ def _tool_use(c: layer.Call) -> dict[str, Any]:
             "input": args if isinstance(args, dict) else {}}
 
 
-def message_body(op: Opened, r: Result) -> dict[str, Any]:
+def message_body(op: Opened, r: Result, managed: bool = False) -> dict[str, Any]:
+    """The Message; `managed`: the request asked for context editing, and none was applied."""
     content: list[dict[str, Any]] = [{"type": "text", "text": r.text}] if r.text or not r.calls else []
     content += [_tool_use(c) for c in r.calls]
-    return {"id": "msg_" + op.id, "type": "message", "role": "assistant", "model": r.model, "content": content,
-            "stop_reason": _STOP[r.finish], "stop_sequence": r.stop_sequence, "usage": _usage(r)}
+    out = {"id": "msg_" + op.id, "type": "message", "role": "assistant", "model": r.model, "content": content,
+           "stop_reason": _STOP[r.finish], "stop_sequence": r.stop_sequence, "usage": _usage(r)}
+    if managed:
+        out["context_management"] = {"applied_edits": []}
+    return out
 
 
 def _sse(event: str, data: dict[str, Any]) -> str:
@@ -315,7 +322,9 @@ async def _serve(state: ServerState, body: MessagesRequest, http: HTTPRequest) -
     if body.stream:
         return layer.EventStream(op, stream(op), "text/event-stream")
     r = await layer.result(op, http)
-    return JSONResponse(message_body(op, r)) if r is not None else Response(status_code=499)
+    if r is None:
+        return Response(status_code=499)
+    return JSONResponse(message_body(op, r, body.context_management is not None))
 
 
 def add_routes(app: FastAPI, state: ServerState) -> None:
