@@ -89,7 +89,7 @@ TEMPLATES: list[tuple[str, Any]] = [
                    "options": {"num_predict": 4, "temperature": 0.5, "seed": 3, "stop": ["x"]}, "keep_alive": "5m"}),
     ("/api/generate", {"model": "tiny", "prompt": "the cat", "system": "s", "stream": False,
                        "options": {"num_predict": 4, "top_k": 4}}),
-    ("/api/show", {"model": PINNED[1]}),
+    ("/api/show", {"model": PINNED[1], "verbose": False}),
 ]
 CHECK_PROMPT = [1]  # one token: never reuses a cached prefix, so before and after compute alike
 

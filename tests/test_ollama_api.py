@@ -49,6 +49,7 @@ def test_probe_version_tags_show_ps(srv):
     arch = info.modelinfo["general.architecture"]
     assert info.modelinfo[f"{arch}.context_length"] == 1024
     assert c.show("tiny").details.parent_model == ""
+    assert httpx.post(url + "/api/show", json={"name": "b:latest"}).json()["details"]["parent_model"] == "tiny"
     assert [m.model for m in c.ps().models] == names
     with pytest.raises(ollama.ResponseError) as e:
         c.show("nope")

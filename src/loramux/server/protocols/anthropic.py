@@ -276,7 +276,7 @@ def _sse(event: str, data: dict[str, Any]) -> str:
     return f"event: {event}\ndata: {json.dumps({'type': event, **data}, ensure_ascii=False)}\n\n"
 
 
-async def stream(op: Opened) -> AsyncIterator[str]:
+async def stream(op: Opened, managed: bool = False) -> AsyncIterator[str]:
     """Anthropic's event sequence: message_start, the content blocks (text deltas, then tool_use blocks with
     their input as JSON deltas), message_delta with the stop reason and usage, message_stop."""
     job = op.job
@@ -306,8 +306,11 @@ async def stream(op: Opened) -> AsyncIterator[str]:
                         "type": "input_json_delta", "partial_json": json.dumps(block["input"], ensure_ascii=False)}})
                     yield _sse("content_block_stop", {"index": index})
                     index += 1
-                yield _sse("message_delta", {"delta": {"stop_reason": _STOP[r.finish], "stop_sequence": r.stop_sequence},
-                                             "usage": {"output_tokens": r.completion_tokens}})
+                delta = {"delta": {"stop_reason": _STOP[r.finish], "stop_sequence": r.stop_sequence},
+                         "usage": {"output_tokens": r.completion_tokens}}
+                if managed:
+                    delta["context_management"] = {"applied_edits": []}
+                yield _sse("message_delta", delta)
                 yield _sse("message_stop", {})
     except APIError as e:
         yield _sse("error", {"error": error_body(e)["error"]})
@@ -320,7 +323,7 @@ async def _serve(state: ServerState, body: MessagesRequest, http: HTTPRequest) -
                        param="thinking.budget_tokens")
     op = await layer.open_request(state, to_chat(body))
     if body.stream:
-        return layer.EventStream(op, stream(op), "text/event-stream")
+        return layer.EventStream(op, stream(op, body.context_management is not None), "text/event-stream")
     r = await layer.result(op, http)
     if r is None:
         return Response(status_code=499)

@@ -140,8 +140,17 @@ class GenerateBody(_Common):
 
 
 class ShowBody(_Body):
-    model: str = Field(max_length=MAX_NAME_CHARS)
+    """POST /api/show; older clients name the model `name`."""
+
+    model: str | None = Field(default=None, max_length=MAX_NAME_CHARS)
+    name: str | None = Field(default=None, max_length=MAX_NAME_CHARS)
     verbose: bool | None = None
+
+    def target(self) -> str:
+        if (self.model is None) == (self.name is None):
+            raise APIError(400, "give the model as model (or, as older clients do, name)", param="model",
+                           code="invalid_request")
+        return self.model or self.name or ""
 
 
 def _seconds(v: str | float) -> float:
@@ -432,7 +441,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/api/show")
     @_guarded
     async def show_model(body: ShowBody) -> Response:
-        return JSONResponse(show(state, body.model))
+        return JSONResponse(show(state, body.target()))
 
     @app.post("/api/chat")
     @_guarded
