@@ -61,6 +61,7 @@ class Result:
     stop_sequence: str | None
     prompt_tokens: int
     completion_tokens: int
+    tokens: list[int] = field(default_factory=list)  # the generated token ids
     started_ns: int = 0  # wall-clock duration of the request (Ollama reports it), nanoseconds
     first_token_ns: int | None = None  # from the start to the first token, nanoseconds
 
@@ -156,7 +157,7 @@ def _result(job: Job, completion: Any, text: str, calls: list[Call]) -> Result:
     first = getattr(job.request, "first_token_at", None)
     now = time.monotonic()
     return Result(job.model, text, calls, finish, stop, len(job.prompt), len(completion.tokens),
-                  started_ns=int((now - job.started) * 1e9),
+                  tokens=list(completion.tokens), started_ns=int((now - job.started) * 1e9),
                   first_token_ns=None if first is None else int(max(0.0, first - job.started) * 1e9))
 
 
