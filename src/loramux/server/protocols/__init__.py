@@ -1,7 +1,7 @@
-"""The protocols the server speaks, over the engine path of server/generation.py: OpenAI's chat completions
-and completions (openai.py, with scoring.py for logprobs and fan-out), and, each a thin module over the
-response layer (layer.py), Anthropic Messages (anthropic.py), OpenAI Responses (responses.py) and Ollama's
-API (ollama.py)."""
+"""The protocols the server speaks, each a thin module over the response layer (layer.py) and the engine path
+of server/generation.py: OpenAI's chat completions and completions (openai.py; scoring.py shapes their
+logprobs and fan-out), Anthropic Messages (anthropic.py), OpenAI Responses (responses.py), Ollama's API
+(ollama.py)."""
 
 from __future__ import annotations
 

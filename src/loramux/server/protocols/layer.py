@@ -1,11 +1,13 @@
 """The response layer every protocol module is written against: one typed request in, one typed result
 (or stream of typed events) out, produced by the engine path of server/generation.py.
 
-A protocol module (Anthropic Messages, OpenAI Responses, Ollama) translates its body into the typed
-internal request, a `ChatRequest` or `CompletionRequest` (schemas.py: prompt or messages, sampling,
-constraints, tools, adapters; every bound and every refusal of those models applies), and translates
-`Result` / `Event`s back into its own shapes. Streaming, usage, stop strings, tool calls and the metrics
-are therefore done once, here and in generation.py, whatever the protocol.
+A protocol module (OpenAI chat/completions, Anthropic Messages, OpenAI Responses, Ollama) translates its
+body into the typed internal request, a `ChatRequest` or `CompletionRequest` (schemas.py: prompt or
+messages, sampling, constraints, tools, adapters, logprobs, n; every bound and every refusal of those
+models applies), and translates `Result` / `Event`s back into its own shapes. Streaming, usage, stop
+strings, tool calls and the metrics are therefore done once, here and in generation.py, whatever the
+protocol. Requests with logprobs or several sequences (chat completions and completions only) run as a
+group of such jobs, shaped by scoring.py.
 """
 
 from __future__ import annotations
