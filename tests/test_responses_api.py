@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from typing import Literal
 
 import httpx
@@ -124,7 +125,10 @@ def test_refusals_are_openai_shaped(srv):
     err({"store": True}, 400, "store")
     err({"previous_response_id": "resp_1"}, 400, "previous_response_id")
     err({"tools": [{"type": "web_search"}], "tool_choice": {"type": "web_search"}}, 400, "tool_choice", "web_search")
-    err({"tools": [{"type": "custom", "name": "x"}]}, 400, "tools.0.type", "custom")
+    err({"tools": [{"type": "mystery_tool", "name": "x"}]}, 400, "tools.0.type", "mystery_tool")
+    err({"tools": [{"type": "custom", "name": "x", "format": {"type": "grammar", "syntax": "lark",
+                                                               "definition": "start: /a/"}}]}, 400, "tools.0.format",
+        "Lark")
     err({"include": ["message.output_text.logprobs"]}, 400, "include")
     err({"max_output_tokens": 10**6}, 400, "max_output_tokens", "2048", "max_output_tokens")
     err({"input": "x " * 5000}, 400, "input", "2048")
@@ -179,3 +183,27 @@ def test_agents_sdk_default_responses_model(srv):
     later = sent[1]["body"]["input"]
     assert any(i.get("type") == "function_call_output" and "PRICE-IS-42" in str(i.get("output")) for i in later)
     assert isinstance(result.final_output, str)
+
+
+def test_custom_tool_with_a_regex_grammar(srv):
+    """A freeform tool: its input is text matching the tool's regex (the grammar), as a custom_tool_call item;
+    the call and its output go back as items."""
+    c = client(srv[0])
+    tool = {"type": "custom", "name": "set_code", "description": "Set a code.",
+            "format": {"type": "grammar", "syntax": "regex", "definition": "[A-Z]{3}-[0-9]{2}"}}
+    ask = [{"role": "user", "content": "set a code"}]
+    r = c.responses.create(model="a", input=ask, tools=[tool], tool_choice={"type": "custom", "name": "set_code"},
+                           parallel_tool_calls=False, temperature=0.7, max_output_tokens=200)
+    call = r.output[-1]
+    assert call.type == "custom_tool_call" and call.name == "set_code"
+    assert re.fullmatch(r"[A-Z]{3}-[0-9]{2}", call.input), call.input
+    history = [*ask, call.model_dump(exclude_none=True),
+               {"type": "custom_tool_call_output", "call_id": call.call_id, "output": "DONE-OK"}]
+    n_call = c.responses.create(model="a", input=history[:-1], tools=[tool], max_output_tokens=1).usage.input_tokens
+    n_out = c.responses.create(model="a", input=history, tools=[tool], max_output_tokens=1).usage.input_tokens
+    assert n_out > n_call + 3
+    events = list(c.responses.create(model="a", input=ask, tools=[tool], stream=True, temperature=0.7,
+                                     tool_choice={"type": "custom", "name": "set_code"}, parallel_tool_calls=False,
+                                     max_output_tokens=200))
+    done = [e for e in events if e.type == "response.custom_tool_call_input.done"]
+    assert done and re.fullmatch(r"[A-Z]{3}-[0-9]{2}", done[0].input)

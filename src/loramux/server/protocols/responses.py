@@ -3,7 +3,8 @@
 The body is translated into a ChatRequest (layer.py): `instructions` and system/developer items → system
 messages, user/assistant message items → turns, `function_call` / `function_call_output` items → the
 assistant's tool calls and the tool results, flat function tools (and those inside a `namespace` tool,
-flattened under their own names) → chat tools, `text.format` → `response_format`, `max_output_tokens` →
+flattened under their own names) → chat tools, a `custom` tool → a function of one string (its regex
+grammar, if any, enforced), `text.format` → `response_format`, `max_output_tokens` →
 `max_tokens`. Hosted tools loramux cannot run (web search, file search, code interpreter, computer use, ...)
 are not offered to the model and the response lists them in `tools_not_offered`; a `tool_choice` that forces
 one is a 400 naming it. Nothing is stored: `store: true`, `previous_response_id` and `conversation` are
@@ -74,7 +75,8 @@ class Part(_Body):
 class Item(_Body):
     """One input item; which fields it may carry depends on its type (checked in `_messages`)."""
 
-    type: Literal["message", "function_call", "function_call_output", "reasoning", "item_reference"] | None = None
+    type: Literal["message", "function_call", "function_call_output", "custom_tool_call", "custom_tool_call_output",
+                  "reasoning", "item_reference"] | None = None
     role: Literal["user", "system", "developer", "assistant"] | None = None
     content: Text | Annotated[list[Part], Field(max_length=MAX_CONTENT_PARTS)] | None = None
     id: str | None = Field(default=None, max_length=256)
@@ -83,6 +85,7 @@ class Item(_Body):
     name: str | None = Field(default=None, max_length=128)
     namespace: str | None = Field(default=None, max_length=128)
     arguments: str | None = None
+    input: str | None = Field(default=None, max_length=MAX_PROMPT_CHARS)  # a custom tool call's text
     output: Text | Annotated[list[Part], Field(max_length=MAX_CONTENT_PARTS)] | None = None
     summary: list[Any] | None = None
     encrypted_content: str | None = None
@@ -95,6 +98,34 @@ class FunctionTool(_Body):
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
     defer_loading: bool | None = None
+
+
+class CustomFormat(_Body):
+    type: Literal["text", "grammar"]
+    syntax: Literal["regex", "lark"] | None = None
+    definition: str | None = Field(default=None, max_length=MAX_PROMPT_CHARS)
+
+
+class CustomTool(_Body):
+    """A freeform tool: its input is text, free or matching a grammar (a regex converts; Lark does not)."""
+
+    type: Literal["custom"]
+    name: str = Field(min_length=1, max_length=128)
+    description: str | None = None
+    format: CustomFormat | None = None
+
+    def parameters(self, where: str) -> dict[str, Any]:
+        """The call as a function of one string, `input`, constrained to the regex when there is one."""
+        text: dict[str, Any] = {"type": "string"}
+        f = self.format
+        if f is not None and f.type == "grammar":
+            if f.syntax != "regex" or not f.definition:
+                raise APIError(400, "only a regex grammar converts to llama.cpp's grammars (Lark does not): send a "
+                                    "regex or a text format", param=f"{where}.format", code="unsupported_parameter")
+            body = f.definition.removeprefix("^").removesuffix("$")
+            text["pattern"] = f"^(?:{body})$"  # the whole input matches (a schema pattern alone is a search)
+        return {"type": "object", "properties": {"input": text}, "required": ["input"],
+                "additionalProperties": False}
 
 
 class NamespaceTool(_Body):
@@ -169,13 +200,20 @@ class ResponsesRequest(_Body):
 
 
 # ------------------------------------------------------------------------------ into the layer
-def _tools(body: ResponsesRequest) -> tuple[list[dict[str, Any]], list[str]]:
-    """(chat tools, hosted tool types not offered); function tools inside a namespace are flattened."""
-    out, skipped = [], []
+def _tools(body: ResponsesRequest) -> tuple[list[dict[str, Any]], list[str], set[str]]:
+    """(chat tools, hosted tool types not offered, custom tools' names); function tools inside a namespace are
+    flattened; a custom tool is a function of one string."""
+    out, skipped, custom = [], [], set()
     for i, raw in enumerate(body.tools or ()):
         kind = raw.get("type")
         if kind in HOSTED:
             skipped.append(str(kind))
+            continue
+        if kind == "custom":
+            ct = layer.internal(lambda r=raw: CustomTool.model_validate(r))
+            custom.add(ct.name)
+            out.append({"type": "function", "function": {"name": ct.name, "description": ct.description,
+                                                          "parameters": ct.parameters(f"tools.{i}")}})
             continue
         if kind == "namespace":
             ns = layer.internal(lambda r=raw: NamespaceTool.model_validate(r))
@@ -183,12 +221,12 @@ def _tools(body: ResponsesRequest) -> tuple[list[dict[str, Any]], list[str]]:
         elif kind == "function":
             fns = [layer.internal(lambda r=raw: FunctionTool.model_validate(r))]
         else:
-            raise APIError(400, f"tool type {kind!r} is not supported (function and namespace tools are; hosted "
+            raise APIError(400, f"tool type {kind!r} is not supported (function, custom and namespace tools are; hosted "
                                 f"tools ({', '.join(sorted(HOSTED))}) are not offered)", param=f"tools.{i}.type",
                            code="unsupported_parameter")
         out += [{"type": "function", "function": {"name": f.name, "description": f.description,
                                                    "parameters": f.parameters, "strict": f.strict}} for f in fns]
-    return out, skipped
+    return out, skipped, custom
 
 
 def _tool_choice(tc: str | dict[str, Any] | None, skipped: list[str]) -> Any:
@@ -198,7 +236,7 @@ def _tool_choice(tc: str | dict[str, Any] | None, skipped: list[str]) -> Any:
                            code="invalid_request")
         return tc
     kind = tc.get("type")
-    if kind == "function" and isinstance(tc.get("name"), str):
+    if kind in ("function", "custom") and isinstance(tc.get("name"), str):
         return {"type": "function", "function": {"name": tc["name"]}}
     if kind in HOSTED:
         raise APIError(400, f"tool_choice forces the hosted tool {kind!r}, which loramux cannot run",
@@ -246,7 +284,15 @@ def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
                 msgs[-1].setdefault("tool_calls", []).append(call)
             else:
                 msgs.append({"role": "assistant", "content": "", "tool_calls": [call]})
-        elif kind == "function_call_output" and it.call_id:
+        elif kind == "custom_tool_call" and it.call_id and it.name:
+            names[it.call_id] = it.name
+            call = {"id": it.call_id, "type": "function",
+                    "function": {"name": it.name, "arguments": json.dumps({"input": it.input or ""})}}
+            if msgs and msgs[-1]["role"] == "assistant":
+                msgs[-1].setdefault("tool_calls", []).append(call)
+            else:
+                msgs.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind in ("function_call_output", "custom_tool_call_output") and it.call_id:
             msgs.append({"role": "tool", "tool_call_id": it.call_id, "name": names.get(it.call_id),
                          "content": _text(it.output, f"input.{i}.output")})
         elif kind == "reasoning":
@@ -271,10 +317,10 @@ def _format(body: ResponsesRequest) -> dict[str, Any] | None:
     return {"type": "json_schema", "json_schema": js.model_dump(by_alias=True, exclude_none=True)}
 
 
-def to_chat(body: ResponsesRequest) -> tuple[ChatRequest, list[str]]:
-    """The internal request, and the hosted tools left out."""
+def to_chat(body: ResponsesRequest) -> tuple[ChatRequest, list[str], set[str]]:
+    """The internal request, the hosted tools left out, the custom tools' names."""
     body.refusals()
-    tools, skipped = _tools(body)
+    tools, skipped, custom = _tools(body)
     fields: dict[str, Any] = {
         "model": body.model, "messages": _messages(body), "max_tokens": body.max_output_tokens,
         "temperature": body.temperature, "top_p": body.top_p, "stream": body.stream, "lora": body.lora,
@@ -286,15 +332,15 @@ def to_chat(body: ResponsesRequest) -> tuple[ChatRequest, list[str]]:
     elif choice not in (None, "auto", "none"):
         raise APIError(400, "tool_choice needs function tools", param="tool_choice", code="invalid_request")
     fields = {k: v for k, v in fields.items() if v is not None}
-    return layer.internal(lambda: ChatRequest.model_validate(fields)), skipped
+    return layer.internal(lambda: ChatRequest.model_validate(fields)), skipped, custom
 
 
 # --------------------------------------------------------------------------------- out of it
 class Shape:
     """The response object of one request, built up as it runs (the stream and the final JSON share it)."""
 
-    def __init__(self, op: Opened, body: ResponsesRequest, skipped: list[str]) -> None:
-        self.op, self.body, self.skipped = op, body, skipped
+    def __init__(self, op: Opened, body: ResponsesRequest, skipped: list[str], custom: set[str]) -> None:
+        self.op, self.body, self.skipped, self.custom = op, body, skipped, custom
         self.id = "resp_" + op.id
         self.created = int(time.time())
         self.msg_id = layer.new_id("msg_")
@@ -304,8 +350,12 @@ class Shape:
             else []
         return {"type": "message", "id": self.msg_id, "status": status, "role": "assistant", "content": content}
 
-    @staticmethod
-    def call(c: layer.Call, status: str = "completed") -> dict[str, Any]:
+    def call(self, c: layer.Call, status: str = "completed") -> dict[str, Any]:
+        if c.name in self.custom:
+            args = c.args()
+            text = args.get("input", "") if isinstance(args, dict) else ""
+            return {"type": "custom_tool_call", "id": "ctc_" + c.id.removeprefix("call_"), "call_id": c.id,
+                    "name": c.name, "input": text if status == "completed" else "", "status": status}
         return {"type": "function_call", "id": "fc_" + c.id.removeprefix("call_"), "call_id": c.id, "name": c.name,
                 "arguments": c.arguments if status == "completed" else "", "status": status}
 
@@ -382,10 +432,16 @@ async def stream(shape: Shape) -> AsyncIterator[str]:
                 for k, c in enumerate(r.calls):
                     item, idx = shape.call(c), base + k
                     yield ev("response.output_item.added", output_index=idx, item=shape.call(c, "in_progress"))
-                    yield ev("response.function_call_arguments.delta", item_id=item["id"], output_index=idx,
-                             delta=c.arguments)
-                    yield ev("response.function_call_arguments.done", item_id=item["id"], output_index=idx,
-                             name=c.name, arguments=c.arguments)
+                    if item["type"] == "custom_tool_call":
+                        yield ev("response.custom_tool_call_input.delta", item_id=item["id"], output_index=idx,
+                                 delta=item["input"])
+                        yield ev("response.custom_tool_call_input.done", item_id=item["id"], output_index=idx,
+                                 input=item["input"])
+                    else:
+                        yield ev("response.function_call_arguments.delta", item_id=item["id"], output_index=idx,
+                                 delta=c.arguments)
+                        yield ev("response.function_call_arguments.done", item_id=item["id"], output_index=idx,
+                                 name=c.name, arguments=c.arguments)
                     yield ev("response.output_item.done", output_index=idx, item=item)
                 final = shape.response(r)
                 yield ev("response.incomplete" if final["status"] == "incomplete" else "response.completed",
@@ -400,9 +456,9 @@ RENAMED = {"max_tokens": "max_output_tokens", "messages": "input"}
 
 
 async def _serve(state: ServerState, body: ResponsesRequest, http: HTTPRequest) -> Response:
-    chat, skipped = to_chat(body)
+    chat, skipped, custom = to_chat(body)
     op = await layer.open_request(state, chat, RENAMED)
-    shape = Shape(op, body, skipped)
+    shape = Shape(op, body, skipped, custom)
     if body.stream:
         return layer.EventStream(op, stream(shape), "text/event-stream")
     r = await layer.result(op, http)
