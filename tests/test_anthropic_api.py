@@ -134,6 +134,11 @@ def test_thinking_and_context_management_are_answered_visibly(srv):
         "model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}],
         "context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}})
     assert r.status_code == 200 and r.json()["context_management"] == {"applied_edits": []}
+    # a system turn inside messages (Claude Code sends one) goes into the prompt
+    c, msgs = _client(srv), [{"role": "user", "content": "x"}]
+    plain = c.messages.count_tokens(model="tiny", messages=msgs).input_tokens
+    turn = c.messages.count_tokens(model="tiny", messages=[*msgs, {"role": "system", "content": "AGENTS: a, b"}])
+    assert turn.input_tokens > plain + 5
 
 
 def test_langchain_chat_anthropic(srv):

@@ -83,7 +83,7 @@ class Block(_Body):
 
 
 class Message(_Body):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]  # system: a system turn within the conversation (Claude Code)
     content: Text | Annotated[list[Block], Field(max_length=MAX_CONTENT_PARTS)]
 
 
@@ -181,8 +181,8 @@ def _messages(body: CountRequest) -> list[dict[str, Any]]:
         out.append({"role": "system", "content": _text(body.system, "system")})
     for i, m in enumerate(body.messages):
         where = f"messages.{i}.content"
-        if isinstance(m.content, str):
-            out.append({"role": m.role, "content": m.content})
+        if isinstance(m.content, str) or m.role == "system":
+            out.append({"role": m.role, "content": _text(m.content, where)})
             continue
         texts, calls, results = [], [], []
         for j, b in enumerate(m.content):
