@@ -9,7 +9,8 @@ hostile one (lone surrogates, NUL, over-long file names, '~user', template synta
 the engine and the file system, not only the validators. A sweep then puts every hostile string into
 every string field, and edge numbers into every number field, of one complete valid body per operation
 (random cases rarely put a given value in a given field). Checked on every response: no 5xx (also none
-inside an SSE stream), no hang (each request under a client timeout), error bodies in OpenAI's shape.
+inside an SSE stream), no hang (each request under a client timeout), error bodies in the shape of the protocol
+serving the path (OpenAI's, Anthropic's on /v1/messages, Ollama's on /api/).
 Afterwards the server is healthy, has no request or sequence left over, and serves the base and its
 adapters bit-identically to before the run.
 
@@ -75,6 +76,20 @@ TEMPLATES: list[tuple[str, Any]] = [
     ("/v1/load_lora_adapter", {"lora_name": HOT, "lora_path": f"{HOT}.gguf", "scale": 0.5, "replace": True}),
     ("/v1/unload_lora_adapter", {"lora_name": HOT, "lora_int_id": 2}),
     ("/lora-adapters", [{"id": 0, "scale": 0.0}, {"id": 1, "scale": 0.0}]),
+    ("/v1/messages", {"model": PINNED[0], "max_tokens": 4, "system": "be brief", "stop_sequences": ["x"],
+                      "temperature": 0.5, "top_k": 4, "metadata": {"user_id": "u"}, "stream": True,
+                      "messages": [{"role": "user", "content": [{"type": "text", "text": "hello"}]}],
+                      "lora": [{"name": PINNED[1], "scale": 0.5}]}),
+    ("/v1/messages/count_tokens", {"model": "tiny", "messages": [{"role": "user", "content": "hello"}]}),
+    ("/v1/responses", {"model": PINNED[1], "input": [{"role": "user", "content": [{"type": "input_text",
+                                                                                   "text": "hi"}]}],
+                       "instructions": "be brief", "max_output_tokens": 4, "temperature": 0.5, "stream": True,
+                       "prompt_cache_key": "k", "metadata": {"a": "b"}}),
+    ("/api/chat", {"model": "tiny:" + PINNED[0], "messages": [{"role": "user", "content": "hello"}],
+                   "options": {"num_predict": 4, "temperature": 0.5, "seed": 3, "stop": ["x"]}, "keep_alive": "5m"}),
+    ("/api/generate", {"model": "tiny", "prompt": "the cat", "system": "s", "stream": False,
+                       "options": {"num_predict": 4, "top_k": 4}}),
+    ("/api/show", {"model": PINNED[1], "verbose": False}),
 ]
 CHECK_PROMPT = [1]  # one token: never reuses a cached prefix, so before and after compute alike
 
@@ -149,6 +164,38 @@ def _hostile(body: Any, draw: Any) -> Any:
     return _put(body, draw(st.sampled_from(paths)), draw(st.sampled_from(HOSTILE)))
 
 
+def _protocol_sse_problem(text: str, path: str) -> str | None:
+    """Anthropic's and the Responses API's streams: they end with their own last event, and a failure inside
+    them is their error event (a server error there is a failure of the server)."""
+    events = [json.loads(ln[6:]) for ln in text.splitlines() if ln.startswith("data: ")]
+    last = events[-1].get("type") if events else None
+    ends = ("message_stop", "error") if path.startswith("/v1/messages") else \
+        ("response.completed", "response.incomplete", "response.failed")
+    if last not in ends:
+        return f"the stream does not end with {' or '.join(ends)}: {events[-2:]}"
+    for e in events:
+        err = e.get("error") if isinstance(e.get("error"), dict) else e if e.get("type") == "error" else None
+        if err and err.get("type") in ("api_error", "server_error") or (err and str(err.get("code")) == "internal_error"):
+            return f"server error inside the stream: {e}"
+    return None
+
+
+def _shape_problem(r: requests.Response, path: str) -> str | None:
+    """An error body not in the shape of the protocol serving `path`."""
+    try:
+        body = r.json()
+        if path.startswith("/v1/messages"):
+            assert body["type"] == "error" and isinstance(body["error"]["message"], str) and body["error"]["type"]
+        elif path.startswith("/api/"):
+            assert set(body) == {"error"} and isinstance(body["error"], str) and body["error"]
+        else:
+            err = body["error"]
+            assert isinstance(err["message"], str) and err["message"] and {"type", "param", "code"} <= set(err)
+    except (ValueError, KeyError, TypeError, AssertionError):
+        return f"{r.status_code} without the protocol's error shape: {r.text[:300]}"
+    return None
+
+
 def _sse_problem(text: str) -> str | None:
     """A server error sent inside an event stream (after its 200), or a stream that does not end."""
     lines = [ln for ln in text.splitlines() if ln]
@@ -166,14 +213,16 @@ def _problem(r: requests.Response) -> str | None:
     if r.status_code >= 500:
         return f"{r.status_code}: {r.text[:300]}"
     ctype = r.headers.get("content-type", "")
+    path = requests.utils.urlparse(r.url).path
     if r.status_code == 200 and ctype.startswith("text/event-stream"):
+        if path.startswith(("/v1/messages", "/v1/responses")):
+            return _protocol_sse_problem(r.text, path)
         return _sse_problem(r.text)
-    if r.status_code >= 400:
-        try:
-            err = r.json()["error"]
-            assert isinstance(err["message"], str) and err["message"] and {"type", "param", "code"} <= set(err)
-        except (ValueError, KeyError, TypeError, AssertionError):
-            return f"{r.status_code} without OpenAI's error shape: {r.text[:300]}"
+    if r.status_code == 200 and ctype.startswith("application/x-ndjson"):  # Ollama's stream
+        last = json.loads(r.text.splitlines()[-1])
+        return None if last.get("done") or isinstance(last.get("error"), str) else f"the stream does not end: {last}"
+    if r.status_code >= 400 and r.request.method != "HEAD":
+        return _shape_problem(r, path)
     return None
 
 
@@ -297,7 +346,9 @@ def test_fuzz_the_api_from_its_openapi_schema(tiny_model: Path, fuzz_dir: Path) 
     ops = [op.ok() for op in schema.get_all_operations()]
     assert {(o.method.upper(), o.path) for o in ops} >= {
         ("GET", "/health"), ("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
-        ("POST", "/v1/load_lora_adapter"), ("POST", "/v1/unload_lora_adapter"), ("POST", "/lora-adapters")}
+        ("POST", "/v1/load_lora_adapter"), ("POST", "/v1/unload_lora_adapter"), ("POST", "/lora-adapters"),
+        ("POST", "/v1/messages"), ("POST", "/v1/messages/count_tokens"), ("POST", "/v1/responses"),
+        ("POST", "/api/chat"), ("POST", "/api/generate"), ("POST", "/api/show"), ("GET", "/api/tags")}
     started = time.monotonic()
     with serve_in_thread(app) as srv:
         before = _reference(srv.url)

@@ -94,15 +94,20 @@ def _param(b: Block):  # noqa: ANN202 - a pytest ParameterSet
 
 
 # ------------------------------------------------------------------------------------------ workspace
+@dataclass
 class Workspace(doc_fixtures.Workspace):
     """The directory a block runs in, its base model, and the local servers that stand in for remote ones."""
 
+    server: str | None = None  # the block's loramux server, once started
+
     def openai_server(self) -> str:
-        """A real loramux server on the block's model with the adapters the docs name; its base URL."""
+        """A real loramux server on the block's model with the adapters the docs name (one per block); its URL."""
+        if self.server is not None:
+            return self.server
         import loramux as lm
         from loramux.server import ServerSettings, create_app, serve_in_thread
 
-        eng = lm.Engine.load(self.model, n_ctx=512, n_parallel=4, n_threads=2)
+        eng = lm.Engine.load(self.model, n_ctx=2048, n_parallel=4, n_threads=2)  # tool prompts on the tiny vocabulary
         try:
             for name in SERVER_FILES:
                 eng.load_lora(self.file(name), Path(name).stem)
@@ -112,6 +117,7 @@ class Workspace(doc_fixtures.Workspace):
             eng.close()
             raise
         srv = self.stack.enter_context(serve_in_thread(app))
+        self.server = srv.url
         return srv.url
 
 
@@ -137,6 +143,8 @@ CONTROL_FILES: dict[str, doc_fixtures.Maker] = {"formal.gguf": control_vector}
 SUBSTITUTIONS: dict[str, Callable[[Workspace], str]] = {
     "https://example.org/style.gguf#sha256=…": lambda ws: ws.url_for("style.gguf"),
     "http://127.0.0.1:8080/v1": lambda ws: ws.openai_server() + "/v1",
+    # the server's root, for the clients of Anthropic's and Ollama's APIs (after the /v1 form: same server)
+    "http://127.0.0.1:8080": lambda ws: ws.openai_server(),
 }
 
 

@@ -321,3 +321,33 @@ def test_stop_tokens_end_the_output_where_the_tool_takes_over(tmp_path, monkeypa
         assert free.text == "the cat sat" and stop[0] in free.tokens  # the control token is not text
         got = eng.generate("hello", grammar=forced, stop_tokens=stop, max_tokens=20, ignore_eos=True)
         assert got.finish_reason == "stop" and got.text == "the cat" and stop[0] not in got.tokens
+
+
+def test_tools_with_n_and_logprobs(srv):
+    """Tools go through the fan-out path too: each of n sequences reads its own calls, with logprobs."""
+    c = client(srv[0])
+    kw = dict(model="a", messages=[{"role": "user", "content": "weather in paris?"}], tools=TOOLS,
+              tool_choice="required", parallel_tool_calls=False, max_tokens=200, temperature=0.8, seed=4)
+    r = c.chat.completions.create(n=2, logprobs=True, top_logprobs=2, **kw)
+    assert [ch.index for ch in r.choices] == [0, 1]
+    for ch in r.choices:
+        assert ch.finish_reason == "tool_calls" and ch.message.content is None
+        _check_calls(ch.message.tool_calls)
+        assert ch.logprobs.content and all(len(e.top_logprobs) == 2 for e in ch.logprobs.content)
+    calls: dict[int, dict[int, dict[str, str]]] = {0: {}, 1: {}}
+    reasons = {}
+    for chunk in c.chat.completions.create(n=2, logprobs=True, stream=True, **kw):
+        for ch in chunk.choices:
+            for t in ch.delta.tool_calls or ():
+                got = calls[ch.index].setdefault(t.index, {"name": "", "arguments": ""})
+                got["name"] += (t.function.name or "") if t.function else ""
+                got["arguments"] += (t.function.arguments or "") if t.function else ""
+            if ch.finish_reason:
+                reasons[ch.index] = ch.finish_reason
+    assert reasons == {0: "tool_calls", 1: "tool_calls"}
+    for k, ch in enumerate(r.choices):  # the same seeds: the streamed calls are the plain ones
+        assert calls[k][0] == {"name": ch.message.tool_calls[0].function.name,
+                               "arguments": ch.message.tool_calls[0].function.arguments}
+    one = c.chat.completions.create(logprobs=True, **kw).choices[0]  # n = 1 with logprobs: the same path
+    assert one.finish_reason == "tool_calls"
+    _check_calls(one.message.tool_calls)

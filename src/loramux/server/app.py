@@ -21,12 +21,12 @@ from typing import Any, TypeVar
 import uvicorn
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from ..engine.bank import bank_info
 from ..engine.runtime import Engine
 from ..sources import CancelToken
-from . import generation, scoring, tokenize
+from . import protocols, tokenize
 from .config import ServerSettings
 from .errors import install_handlers
 from .guard import Guard, admin_routes, is_admin, uvicorn_config
@@ -34,8 +34,6 @@ from .metrics import CONTENT_TYPE
 from .pool import Entry
 from .schemas import (
     AdapterScale,
-    ChatRequest,
-    CompletionRequest,
     LoadAdapterRequest,
     UnloadAdapterRequest,
 )
@@ -104,29 +102,9 @@ def _routes(app: FastAPI, state: ServerState) -> None:
                          **bank_info(state.engine.bank, adapters.get(e.name))})
         return {"object": "list", "data": data}
 
-    _generation_routes(app, state)
+    protocols.add_routes(app, state)  # chat/completions and the other protocols
     tokenize.add_routes(app, state)
     _adapter_routes(app, state)
-
-
-def _generation_routes(app: FastAPI, state: ServerState) -> None:
-    async def generate(http: HTTPRequest, body: CompletionRequest | ChatRequest, chat: bool) -> Response:
-        if scoring.handles(body):  # logprobs, echo, several prompts or sequences: server/scoring.py
-            return await scoring.respond(state, http, body, chat)
-        with generation.counts_failure(state, body.model):
-            job = await generation.start(state, body, chat)
-        if body.stream:
-            return _JobStream(job)
-        result = await generation.collect(job, http)
-        return JSONResponse(result) if result is not None else Response(status_code=499)
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, http: HTTPRequest) -> Response:
-        return await generate(http, body, chat=False)
-
-    @app.post("/v1/chat/completions")
-    async def chat(body: ChatRequest, http: HTTPRequest) -> Response:
-        return await generate(http, body, chat=True)
 
 
 def _adapter_routes(app: FastAPI, state: ServerState) -> None:
@@ -194,22 +172,6 @@ async def _unless_client_leaves(http: HTTPRequest, cancel: CancelToken, work: Aw
 async def _disconnected(http: HTTPRequest) -> None:
     while (await http.receive())["type"] != "http.disconnect":
         pass
-
-
-class _JobStream(StreamingResponse):
-    """SSE response that always settles its job: a client can leave before the body generator ever
-    starts (its `finally` would then never run), and the request must still be cancelled."""
-
-    def __init__(self, job: generation.Job) -> None:
-        super().__init__(generation.stream(job), media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self.job = job
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.job.finish(499)  # no-op if the stream finished it
 
 
 class ServerThread:

@@ -7,11 +7,12 @@ anything else) to a status and body, so no request ever gets a bare 500 page or 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import (
@@ -58,6 +59,16 @@ class APIError(Exception):
         headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else {}
         return JSONResponse(self.body(), status_code=self.status, headers={**headers, **self.headers})
 
+    def response_for(self, path: str) -> Response:
+        """The error in the shape of the protocol that serves `path` (ERROR_SHAPES), OpenAI's otherwise."""
+        best = max((p for p in ERROR_SHAPES if path.startswith(p)), key=len, default=None)
+        return self.response() if best is None else ERROR_SHAPES[best](self)
+
+
+# Path prefix → the error shape of the protocol served there (Anthropic's, Ollama's); each protocol module
+# registers its own when imported. Every error on such a path, the guard's and validation's included, takes it.
+ERROR_SHAPES: dict[str, Callable[[APIError], Response]] = {}
+
 
 def _utf8(text: str) -> str:
     """`text` as it can be sent: a message or parameter that quotes the request may hold lone surrogates
@@ -76,6 +87,8 @@ def from_exception(exc: BaseException) -> APIError:
     """Map any exception to an APIError (typed loramux errors keep their code and parameter)."""
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, RecursionError):  # a JSON body nested deeper than the parser goes
+        return APIError(400, "the body is nested too deeply", code="invalid_request")
     if isinstance(exc, AdapterNotFoundError):
         return APIError(404, str(exc), code="adapter_not_found", param="lora")
     if isinstance(exc, ContextLengthError):
@@ -101,8 +114,13 @@ def from_exception(exc: BaseException) -> APIError:
     return APIError(500, f"internal error: {type(exc).__name__}", code="internal_error")
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    errors = exc.errors()
+def validation_error(errors: Any) -> APIError:
+    """A 400 naming the first bad fields of a body that failed validation (pydantic's `errors()` list)."""
+    msg, param = _validation_message(list(errors))
+    return APIError(400, msg, code="invalid_request", param=param)
+
+
+def _validation_message(errors: list[Any]) -> tuple[str, str | None]:
     if not errors:
         return "invalid request body", None
     parts, param = [], None
@@ -124,25 +142,24 @@ def install_handlers(app: FastAPI) -> None:
     """Register handlers so that validation errors, HTTP errors and crashes all answer OpenAI-shaped."""
 
     @app.exception_handler(APIError)
-    async def _api(_: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+    async def _api(r: Request, exc: APIError) -> Response:
+        return exc.response_for(r.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        msg, param = _validation_message(exc)
-        return APIError(400, msg, code="invalid_request", param=param).response()
+    async def _invalid(r: Request, exc: RequestValidationError) -> Response:
+        return validation_error(exc.errors()).response_for(r.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return APIError(exc.status_code, str(exc.detail), code=None).response()
+    async def _http(r: Request, exc: StarletteHTTPException) -> Response:
+        return APIError(exc.status_code, str(exc.detail), code=None).response_for(r.url.path)
 
     @app.exception_handler(LoramuxError)
-    async def _loramux(_: Request, exc: LoramuxError) -> JSONResponse:
-        return from_exception(exc).response()
+    async def _loramux(r: Request, exc: LoramuxError) -> Response:
+        return from_exception(exc).response_for(r.url.path)
 
     @app.exception_handler(Exception)
-    async def _crash(_: Request, exc: Exception) -> JSONResponse:
-        return from_exception(exc).response()
+    async def _crash(r: Request, exc: Exception) -> Response:
+        return from_exception(exc).response_for(r.url.path)
 
 
-__all__ = ["APIError", "from_exception", "install_handlers", "model_not_found"]
+__all__ = ["ERROR_SHAPES", "APIError", "from_exception", "install_handlers", "model_not_found", "validation_error"]

@@ -1,4 +1,6 @@
-"""Completions and chat completions: from an HTTP body to an engine request and back (JSON or SSE).
+"""The engine path of every generation: from a typed request (ChatRequest / CompletionRequest) to a Job on the
+engine, whose events the protocols read (protocols/openai.py shapes them for chat/completions,
+protocols/layer.py for the others).
 
 The asyncio side never calls llama.cpp: tokenizing and chat templating run in worker threads, the
 engine runs the request on its own thread and reports events through `on_event`, which hands them
@@ -8,12 +10,11 @@ to an asyncio.Queue with `call_soon_threadsafe`.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Iterator
+from collections.abc import Awaitable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
@@ -28,7 +29,7 @@ from .pool import Entry
 from .schemas import ChatRequest, CompletionRequest, SamplingFields
 from .state import ServerState, Ticket
 from .structured import request_grammar, response_schema
-from .tools import ToolPlan, ToolStream, history, parse_calls
+from .tools import ToolPlan, ToolStream, history
 
 log = logging.getLogger("loramux.server")
 T = TypeVar("T")
@@ -165,13 +166,14 @@ async def start(state: ServerState, body: CompletionRequest | ChatRequest, chat:
 
 
 async def submit_job(state: ServerState, body: CompletionRequest | ChatRequest, chat: bool, ticket: Ticket | None,
-                     tokens: list[int] | None = None, extra: dict[str, Any] | None = None) -> Job:
+                     tokens: list[int] | None = None, extra: dict[str, Any] | None = None,
+                     plan: ToolPlan | None = None) -> Job:
     """Resolve a request's adapters and hand it to the engine. `tokens`: its prompt, when the caller
-    tokenized it already; `extra`: more engine settings (scoring's logprobs, a sequence's seed)."""
+    tokenized it already (with its tool `plan`, from chat_prompt); `extra`: more engine settings
+    (scoring's logprobs, a sequence's seed)."""
     started = time.monotonic()
     loras = state.pool.requested_set(body.model, body.lora)
     control = await state.control_setting(body.control_vector)
-    plan = None
     if tokens is None and isinstance(body, ChatRequest):
         tokens, plan = await asyncio.to_thread(chat_prompt, state, body)
     elif tokens is None:
@@ -299,118 +301,5 @@ async def finished(owner: Finishes, work: Awaitable[T], http: HTTPRequest) -> T 
     return result
 
 
-async def collect(job: Job, http: HTTPRequest) -> dict[str, Any] | None:
-    """Wait for the whole completion and build the body; None (request cancelled) if the client left."""
-    completion = await finished(job, drain(job), http)
-    return None if completion is None else _full_body(job, completion)
-
-
-def _usage(job: Job, completion: Any) -> dict[str, int]:
-    n = len(completion.tokens)
-    return {"prompt_tokens": len(job.prompt), "completion_tokens": n, "total_tokens": len(job.prompt) + n}
-
-
-def _finish_reason(completion: Any, calls: list[Any] | None = None) -> str:
-    if completion.finish_reason == "length":
-        return "length"
-    return "tool_calls" if calls else "stop"
-
-
-def _full_body(job: Job, completion: Any) -> dict[str, Any]:
-    reason = _finish_reason(completion)
-    if job.chat:
-        message: dict[str, Any] = {"role": "assistant", "content": completion.text}
-        if job.tools is not None:
-            content, calls = parse_calls(completion.text, [t.function.name for t in job.tools.tools])
-            if calls:
-                message = {"role": "assistant", "content": content or None, "tool_calls": calls}
-                reason = _finish_reason(completion, calls)
-        choice: dict[str, Any] = {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}
-        obj, prefix = "chat.completion", "chatcmpl-"
-    else:
-        choice = {"index": 0, "text": completion.text, "logprobs": None, "finish_reason": reason}
-        obj, prefix = "text_completion", "cmpl-"
-    if job.body.return_token_ids:
-        choice["token_ids"] = list(completion.tokens)
-        choice["prompt_token_ids"] = list(job.prompt)
-    return {"id": prefix + job.id, "object": obj, "created": job.created, "model": job.model,
-            "choices": [choice], "usage": _usage(job, completion)}
-
-
-def _chunk(job: Job, text: str | None, reason: str | None = None, role: bool = False,
-           tool_calls: list[dict[str, Any]] | None = None) -> str:
-    if job.chat:
-        delta: dict[str, Any] = {}
-        if role:
-            delta["role"] = "assistant"
-        if text is not None:
-            delta["content"] = text
-        if tool_calls is not None:
-            delta["tool_calls"] = tool_calls
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
-        obj, prefix = "chat.completion.chunk", "chatcmpl-"
-    else:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
-        obj, prefix = "text_completion", "cmpl-"
-    body = {"id": prefix + job.id, "object": obj, "created": job.created, "model": job.model, "choices": [choice]}
-    return _sse(body)
-
-
-def _sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
-async def stream(job: Job) -> AsyncIterator[str]:
-    """SSE in OpenAI's chunk format, ending with `data: [DONE]`. Leaving early cancels the request."""
-    try:
-        if job.chat:
-            yield _chunk(job, "", role=True)
-        while True:
-            kind, value = await job.queue.get()
-            if kind == "text":
-                if job.tool_stream is not None:
-                    value = job.tool_stream.feed(value)
-                    if not value:
-                        continue
-                yield _chunk(job, value)
-                # to a client that is gone (left, or dropped by the write timeout) a send returns at once:
-                # without this the rest of the queue would go out in one go and count as a 200 before the
-                # disconnect could be seen
-                await asyncio.sleep(0)
-                continue
-            if kind == "error":
-                err = from_exception(value)
-                job.finish(err.status)
-                yield _sse(err.body())
-                yield "data: [DONE]\n\n"
-                return
-            break
-        completion = value
-        job.finish(200, completion)
-        calls: list[dict[str, Any]] = []
-        if job.tool_stream is not None:
-            tail, calls = job.tool_stream.finish()
-            if tail:
-                yield _chunk(job, tail)
-            for i, c in enumerate(calls):  # OpenAI's shape: id, type and name first, then the arguments
-                yield _chunk(job, None, tool_calls=[{"index": i, "id": c["id"], "type": "function",
-                                                     "function": {"name": c["function"]["name"], "arguments": ""}}])
-                yield _chunk(job, None, tool_calls=[{"index": i, "function": {"arguments": c["function"]["arguments"]}}])
-        last = _chunk(job, None if job.chat else "", reason=_finish_reason(completion, calls))
-        if job.body.return_token_ids:
-            data = json.loads(last[6:])
-            data["choices"][0]["token_ids"] = list(completion.tokens)
-            data["choices"][0]["prompt_token_ids"] = list(job.prompt)
-            last = _sse(data)
-        yield last
-        if job.body.stream_options is not None and job.body.stream_options.include_usage:
-            prefix = "chatcmpl-" if job.chat else "cmpl-"
-            yield _sse({"id": prefix + job.id, "object": "chat.completion.chunk" if job.chat else "text_completion",
-                        "created": job.created, "model": job.model, "choices": [],
-                        "usage": _usage(job, completion)})
-        yield "data: [DONE]\n\n"
-    finally:
-        job.finish(499)  # no-op when it finished above; otherwise the client went away
-
-
-__all__ = ["Job", "collect", "counts_failure", "drain", "prompt_tokens", "sampling_args", "start", "stream", "submit_job", "wait_disconnect"]
+__all__ = ["Finishes", "Job", "chat_prompt", "constraint", "counts_failure", "drain", "finished", "prompt_tokens",
+           "sampling_args", "start", "submit_job", "until_client_leaves", "wait_disconnect"]

@@ -28,7 +28,15 @@ from .config import ServerSettings
 from .errors import APIError
 
 INFERENCE_ROUTES = frozenset({("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
-                              ("POST", "/tokenize"), ("POST", "/detokenize")})  # read-only, change nothing
+                              ("POST", "/tokenize"), ("POST", "/detokenize"),
+                              # the other protocols' generation and read-only routes (server/protocols/)
+                              ("POST", "/v1/responses"), ("POST", "/v1/messages"),
+                              ("POST", "/v1/messages/count_tokens"), ("POST", "/api/chat"),
+                              ("POST", "/api/generate"), ("POST", "/api/show"), ("POST", "/api/embed"),
+                              ("POST", "/api/embeddings"),
+                              # Ollama's model management: refused by name whoever asks (no state changes)
+                              ("POST", "/api/pull"), ("POST", "/api/push"), ("POST", "/api/create"),
+                              ("POST", "/api/copy"), ("DELETE", "/api/delete")})  # read-only, change nothing
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 ADMIN_SCOPE_KEY = "loramux.admin"  # set in the ASGI scope: True when the request carries the admin key
@@ -109,14 +117,14 @@ class Guard:
         headers = dict(scope.get("headers") or [])
         err = self._refusal(scope, headers)
         if err is not None:
-            await err.response()(scope, receive, send)
+            await err.response_for(scope.get("path", ""))(scope, receive, send)
             return
         try:
             declared = int(headers.get(b"content-length", b"0") or 0)
         except ValueError:
             declared = 0
         if declared > self.max_body:
-            await self._too_large().response()(scope, receive, send)
+            await self._too_large().response_for(scope.get("path", ""))(scope, receive, send)
             return
         seen = 0
 
@@ -138,7 +146,8 @@ class Guard:
             return APIError(421, f"Host {host!r} is not served here (a DNS-rebinding guard): start the server "
                                  "with --allowed-hosts NAME[,NAME...] to accept it", code="host_not_allowed")
         auth = headers.get(b"authorization", b"")
-        token = auth[7:].strip() if auth[:7].lower() == b"bearer " else b""
+        # Anthropic's clients send the key as x-api-key
+        token = auth[7:].strip() if auth[:7].lower() == b"bearer " else headers.get(b"x-api-key", b"").strip()
         # both comparisons always run, each in constant time: no early exit tells which key was close
         inference = self.key is not None and compare_digest(token, self.key)
         admin = self.admin_key is not None and compare_digest(token, self.admin_key)

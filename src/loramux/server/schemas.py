@@ -384,9 +384,6 @@ class ChatRequest(SamplingFields):
                                      "tool_choice"))
         if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
             out.append(("tool_choice", "needs tools"))
-        if self.tools and self.tool_choice != "none" and (self.logprobs or self.n != 1):
-            out.append(("tools", "tools cannot be combined with logprobs or n > 1 yet; send one request per "
-                                 "sequence without logprobs, or tool_choice none"))
         return out
 
     def message_dicts(self) -> list[dict[str, Any]]:

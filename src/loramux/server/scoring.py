@@ -26,6 +26,7 @@ from .errors import APIError, from_exception
 from .generation import Job
 from .schemas import ChatRequest, CompletionRequest
 from .state import ServerState, Ticket
+from .tools import parse_calls
 
 
 def handles(body: CompletionRequest | ChatRequest) -> bool:
@@ -129,8 +130,13 @@ async def _start(state: ServerState, body: CompletionRequest | ChatRequest, chat
     group = Group(state, body, chat, body.model or state.base_name, ticket, time.monotonic(), per)
     try:
         subs = [body] if chat else [body.model_copy(update={"prompt": p}) for p in body.prompt_list()]
+        plan = None
         for sub in subs:
-            group.prompts.append(await generation.prompt_tokens(state, sub))
+            if isinstance(sub, ChatRequest):  # the tool plan too: each sequence reads its own calls
+                toks, plan = await asyncio.to_thread(generation.chat_prompt, state, sub)
+                group.prompts.append(toks)
+            else:
+                group.prompts.append(await generation.prompt_tokens(state, sub))
             p = getattr(sub, "prompt", "")
             group.prompt_texts.append(p if isinstance(p, str) else await asyncio.to_thread(
                 state.engine.detokenize, group.prompts[-1]))
@@ -143,7 +149,8 @@ async def _start(state: ServerState, body: CompletionRequest | ChatRequest, chat
                 if body.seed is not None:
                     seed = (body.seed + j) & 0xFFFFFFFF  # each sequence its own, reproducible, seed
                     extra["seed"] = seed - (seed == 0xFFFFFFFF)  # llama.cpp reads that one as "random"
-                group.jobs.append(await generation.submit_job(state, sub, chat, None, tokens=toks, extra=extra))
+                group.jobs.append(await generation.submit_job(state, sub, chat, None, tokens=toks, extra=extra,
+                                                              plan=plan))
     except BaseException:
         group.finish(499, record=False)  # respond() records the failure
         raise
@@ -184,10 +191,13 @@ def _choices(group: Group, completions: list[Completion]) -> list[tuple[int, int
 def _full_body(group: Group, completions: list[Completion], pieces: Pieces) -> dict[str, Any]:
     body = group.body
     choices = []
-    for index, (i, _, c) in enumerate(_choices(group, completions)):
+    for index, (i, k, c) in enumerate(_choices(group, completions)):
         reason = "length" if c.finish_reason == "length" else "stop"
         if group.chat:
-            choice: dict[str, Any] = {"index": index, "message": {"role": "assistant", "content": c.text},
+            message, calls = tool_message(group.jobs[k], c.text)
+            if calls and reason == "stop":
+                reason = "tool_calls"
+            choice: dict[str, Any] = {"index": index, "message": message,
                                       "logprobs": _chat_logprobs(c.logprobs, pieces, body.top_logprobs or 0)
                                       if body.logprobs else None, "finish_reason": reason}
         else:
@@ -207,6 +217,16 @@ def _full_body(group: Group, completions: list[Completion], pieces: Pieces) -> d
     return {"id": group.prefix + group.id, "object": group.obj, "created": group.created, "model": group.model,
             "choices": choices,
             "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen}}
+
+
+def tool_message(job: Job, text: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A chat choice's message: its content, or the tool calls read from it when the request has tools."""
+    if job.tools is None:
+        return {"role": "assistant", "content": text}, []
+    content, calls = parse_calls(text, [t.function.name for t in job.tools.tools])
+    if not calls:
+        return {"role": "assistant", "content": text}, []
+    return {"role": "assistant", "content": content or None, "tool_calls": calls}, calls
 
 
 def _legacy_logprobs(c: Completion, pieces: Pieces, body: CompletionRequest, prompt_chars: int
@@ -287,12 +307,15 @@ class _Choice:
 
 
 def _chunk(group: Group, index: int, text: str | None, entries: list[TokenLogprob] | None, pieces: Pieces,
-           st: _Choice, reason: str | None = None, role: bool = False) -> str:
+           st: _Choice, reason: str | None = None, role: bool = False,
+           tool_calls: list[dict[str, Any]] | None = None) -> str:
     body = group.body
     if group.chat:
         delta: dict[str, Any] = {"role": "assistant"} if role else {}
         if text is not None:
             delta["content"] = text
+        if tool_calls is not None:
+            delta["tool_calls"] = tool_calls
         lp = _chat_logprobs(entries, pieces, body.top_logprobs or 0) if body.logprobs and entries else None
         choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason}
         obj = "chat.completion.chunk"
@@ -348,16 +371,40 @@ async def _events(group: Group, pieces: Pieces, states: list[_Choice]
             yield await asyncio.to_thread(_chunk, group, k, group.prompt_texts[k // group.per_prompt], value,
                                           pieces, st)
         elif kind == "text":
+            tools = group.jobs[k].tool_stream
+            if tools is not None:
+                value = tools.feed(value)  # what may be a tool call is held back (its logprobs wait with it)
+                if not value:
+                    continue
             entries, st.pending = st.pending, []
             yield await asyncio.to_thread(_chunk, group, k, value, entries, pieces, st)
-            await asyncio.sleep(0)  # see generation.stream: lets a disconnect be seen between chunks
+            await asyncio.sleep(0)  # see protocols/openai.stream: lets a disconnect be seen between chunks
         elif kind == "error":
             raise value
         elif kind == "done":
-            entries, st.pending = st.pending, []
-            yield await asyncio.to_thread(_chunk, group, k, None if group.chat else "", entries, pieces, st,
-                                          "length" if value.finish_reason == "length" else "stop")
+            async for chunk in _tail(group, k, value, pieces, st):
+                yield chunk
             yield (k, value)
+
+
+async def _tail(group: Group, k: int, c: Completion, pieces: Pieces, st: _Choice) -> AsyncIterator[str]:
+    """The end of choice k: text held back, its tool calls (OpenAI's shape: id and name, then the arguments),
+    the finish reason."""
+    tools, calls = group.jobs[k].tool_stream, []
+    entries, st.pending = st.pending, []
+    if tools is not None:
+        tail, calls = tools.finish()
+        if tail:
+            yield await asyncio.to_thread(_chunk, group, k, tail, entries, pieces, st)
+            entries = []
+        for i, call in enumerate(calls):
+            head = {"index": i, "id": call["id"], "type": "function",
+                    "function": {"name": call["function"]["name"], "arguments": ""}}
+            yield _chunk(group, k, None, None, pieces, st, tool_calls=[head])
+            yield _chunk(group, k, None, None, pieces, st,
+                         tool_calls=[{"index": i, "function": {"arguments": call["function"]["arguments"]}}])
+    reason = "length" if c.finish_reason == "length" else "tool_calls" if calls else "stop"
+    yield await asyncio.to_thread(_chunk, group, k, None if group.chat else "", entries, pieces, st, reason)
 
 
 async def _stream(group: Group) -> AsyncIterator[str]:
