@@ -211,6 +211,10 @@ NOT_RUN: dict[str, str] = {
         "tests/test_adversarial.py", "tests/test_security.py", "tests/test_ray.py",
         "tests/test_tokenize_queue.py tests/test_rpc_hostile.py tests/test_rpc_cache.py",
         "tests/test_api_fuzz.py tests/test_fuzz_gguf.py tests/test_gguf_bounds.py")},
+    'ANTHROPIC_BASE_URL=http://127.0.0.1:8080 ANTHROPIC_API_KEY=- claude -p "Say hi" --model pirate':
+        "Claude Code's turn takes minutes on 2 cores; tests/test_claude_code.py runs it when `claude` is installed",
+    'codex exec --skip-git-repo-check "say hi"': "tests/test_codex.py runs this turn against loramux serve with the "
+                                                   "pinned Codex CLI, which .ci/run installs",
     "python examples/train_zo_example.py --threads 1 --out-dir /tmp/zo/captain4":
         "a 7-minute training run on the default model; the same loop runs in tests/test_train.py on the tiny model",
     "python benchmarks/zo_step.py --threads 1 --steps 10 --batch 2":
