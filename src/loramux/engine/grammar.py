@@ -16,6 +16,7 @@ import copy
 import json
 import math
 import threading
+import time
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,8 +25,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .. import _native as N
-from ..errors import BackendError, GrammarError
-from .regex_gbnf import MAX_REPEAT, gbnf_literal, regex_to_gbnf
+from ..errors import BackendError, GrammarBudgetError, GrammarError
+from .grammar_cost import DEFAULT_LIMITS, GrammarLimits, check
+from .regex_gbnf import gbnf_literal, regex_to_gbnf
 
 if TYPE_CHECKING:
     from .model import Model
@@ -52,14 +54,17 @@ class Grammar:
     param: str
     root: str = "root"
 
-    def compile(self, model: Model) -> ActiveGrammar:
-        """llama.cpp's grammar sampler for this grammar (`model`: an engine `Model`); a GrammarError if
-        llama.cpp cannot parse it. Safe on any thread: it only reads the vocabulary."""
+    def compile(self, model: Model, limits: GrammarLimits = DEFAULT_LIMITS) -> ActiveGrammar:
+        """llama.cpp's grammar sampler for this grammar (`model`: an engine `Model`); a GrammarError if it
+        does not parse or would cost over `limits` (grammar_cost.py), checked before llama.cpp builds it.
+        Safe on any thread: it only reads the vocabulary."""
         if len(self.gbnf) > MAX_GRAMMAR_CHARS:
             raise GrammarError(self.param, f"the grammar has {len(self.gbnf)} characters; at most "
                                            f"{MAX_GRAMMAR_CHARS} are accepted")
+        check(self.gbnf, param=self.param, root=self.root, limits=limits)
         try:
-            return ActiveGrammar(model, N.GrammarHandle.create(model.handle, self.gbnf, self.root))
+            return ActiveGrammar(model, N.GrammarHandle.create(model.handle, self.gbnf, self.root), self.param,
+                                 limits)
         except BackendError as e:
             raise GrammarError(self.param, f"llama.cpp cannot use this grammar: {e.message}",
                                hint="GBNF syntax: https://github.com/ggml-org/llama.cpp/blob/master/grammars/"
@@ -74,17 +79,47 @@ class ActiveGrammar:
     overlong forms and surrogates. Unguarded, a string could come out as invalid UTF-8 (and then not parse
     as JSON). The guard bans, at each step, the tokens whose bytes would make the text so far invalid."""
 
-    def __init__(self, model: Model, handle: N.GrammarHandle) -> None:
-        self.model, self.handle = model, handle
+    def __init__(self, model: Model, handle: N.GrammarHandle, param: str = "grammar",
+                 limits: GrammarLimits = DEFAULT_LIMITS) -> None:
+        self.model, self.handle, self.param, self.limits = model, handle, param, limits
         self.table = _utf8_table(model)
         self.state: tuple[int, int, int] = (0, 0, 0)  # (continuation bytes owed, range of the next one)
+        self.spent = 0.0  # engine seconds in this grammar's checks, passes and advances so far
 
     def pick(self, ctx: N.ContextHandle, idx: int, chain: N.SamplerHandle | None) -> int:
-        return self.handle.pick(ctx, idx, chain, self.table.ban(self.state))
+        """The next token (see `_native.GrammarHandle.pick`), within the time budgets: a GrammarBudgetError
+        once this token or the whole request took longer than `limits` allows."""
+        t0 = time.perf_counter()
+        left = min(self.limits.token_seconds, self.limits.request_seconds - self.spent)
+        try:
+            tok = self.handle.pick(ctx, idx, chain, self.table.ban(self.state), deadline=t0 + max(left, 0.0))
+        except TimeoutError:
+            self.spent += time.perf_counter() - t0
+            raise self._over(time.perf_counter() - t0) from None
+        self._charge(t0)
+        return tok
 
     def accept(self, token: int) -> None:
+        """Advance by `token` (checked against the grammar first unless `pick` just chose it)."""
+        t0 = time.perf_counter()
         self.handle.accept(token)
         self.state = _advance(self.state, self.model.handle.token_bytes(token))
+        self._charge(t0)
+
+    def _charge(self, t0: float) -> None:
+        took = time.perf_counter() - t0
+        self.spent += took
+        if took > self.limits.token_seconds or self.spent > self.limits.request_seconds:
+            raise self._over(took)
+
+    def _over(self, took: float) -> GrammarBudgetError:
+        if self.spent > self.limits.request_seconds:
+            return GrammarBudgetError(self.param, "grammar_request_seconds", f"the grammar took {self.spent:.2f} s "
+                                      f"of engine time in this request: at most {self.limits.request_seconds:g} s "
+                                      "(grammar_request_seconds); the request ended there")
+        return GrammarBudgetError(self.param, "grammar_token_seconds", f"the grammar took over {took:.2f} s for "
+                                  f"one token: at most {self.limits.token_seconds:g} s (grammar_token_seconds); "
+                                  "the request ended there")
 
     def close(self) -> None:
         self.handle.close()
@@ -155,6 +190,8 @@ class _Utf8Table:
         return hit
 
 
+_SYNTAX_ONLY = GrammarLimits(optional_run=math.inf, breadth=1 << 62, elements=1 << 62)
+
 _TABLES: weakref.WeakKeyDictionary[Any, _Utf8Table] = weakref.WeakKeyDictionary()
 _TABLES_LOCK = threading.Lock()
 
@@ -172,33 +209,10 @@ def gbnf(text: Any, param: str = "grammar") -> Grammar:
     """A grammar given as GBNF text (llama-server's `grammar`, vLLM's `guided_grammar`), root rule `root`."""
     if not isinstance(text, str) or not text.strip():
         raise GrammarError(param, "must be a non-empty GBNF grammar (a string with a 'root ::= ...' rule)")
-    big = max(_repetition_counts(text), default=0)
-    if big > MAX_REPEAT:
-        raise GrammarError(param, f"a repetition count of {big}: at most {MAX_REPEAT} (llama.cpp expands each "
-                                  "repetition into rules)")
+    # The syntax and the repetition counts now, with the request's field; its cost against the server's
+    # budgets when it is compiled.
+    check(text, param=param, limits=_SYNTAX_ONLY)
     return Grammar(text, param)
-
-
-def _repetition_counts(text: str) -> list[int]:
-    """The numbers in the grammar's {m,n} repetitions, outside string literals, classes and comments."""
-    out, i, n = [], 0, len(text)
-    while i < n:
-        c = text[i]
-        if c in "\"[":
-            close = '"' if c == '"' else "]"
-            i += 1
-            while i < n and text[i] != close:
-                i += 2 if text[i] == "\\" else 1
-        elif c == "#":
-            while i < n and text[i] != "\n":
-                i += 1
-        elif c == "{":
-            j = text.find("}", i)
-            if j > 0:
-                out += [int(x) for x in text[i + 1:j].replace(" ", "").split(",") if x.isdigit()]
-                i = j
-        i += 1
-    return out
 
 
 def json_object(param: str = "response_format") -> Grammar:
@@ -439,6 +453,6 @@ def union(grammars: Sequence[str]) -> str:
     return "(" + " | ".join(grammars) + ")"
 
 
-__all__ = ["ActiveGrammar", "MAX_CHOICES", "MAX_GRAMMAR_CHARS", "MAX_SCHEMA_CHARS", "Grammar", "choice", "gbnf",
+__all__ = ["ActiveGrammar", "DEFAULT_LIMITS", "GrammarLimits", "MAX_CHOICES", "MAX_GRAMMAR_CHARS", "MAX_SCHEMA_CHARS", "Grammar", "choice", "gbnf",
            "integer_range", "json_object", "json_schema", "number_range", "regex", "schema_rules", "schemas_rules", "union",
            "unenforced"]
