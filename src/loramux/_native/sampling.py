@@ -209,6 +209,7 @@ def sampler_accept(chain: SamplerHandle, token: int) -> None:
 
 # llama-cpp-python's maintained port of llama.cpp's JSON-schema → GBNF converter (pure Python, shipped with
 # the binding), re-exported so that the engine reaches the binding through this module only.
+from llama_cpp.llama_grammar import INVALID_RULE_CHARS_RE as GRAMMAR_INVALID_CHARS  # noqa: E402,F401
 from llama_cpp.llama_grammar import JSON_GBNF as JSON_GBNF  # noqa: E402
 from llama_cpp.llama_grammar import RESERVED_NAMES as _GRAMMAR_RESERVED  # noqa: E402
 from llama_cpp.llama_grammar import SchemaConverter as SchemaConverter  # noqa: E402

@@ -27,7 +27,7 @@ import numpy as np
 from .. import _native as N
 from ..errors import BackendError, GrammarBudgetError, GrammarError
 from .grammar_cost import DEFAULT_LIMITS, GrammarLimits, check
-from .regex_gbnf import gbnf_literal, regex_to_gbnf
+from .regex_gbnf import MAX_REPEAT, gbnf_literal, regex_to_gbnf
 
 if TYPE_CHECKING:
     from .model import Model
@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 MAX_GRAMMAR_CHARS = 1 << 20  # a GBNF grammar or a converted schema
 MAX_SCHEMA_CHARS = 1 << 18  # a JSON schema, as JSON text
 MAX_CHOICES = 1024
+MAX_SCHEMA_DEPTH = 64  # a JSON schema's nesting (objects and lists of its text)
 MAX_DIGITS = 15  # unbounded integer parts: at most this many digits, as llama.cpp's converter does
 
 # Keywords the grammar enforces (or that only annotate); any other one makes a strict schema a 400.
@@ -261,6 +262,7 @@ def schemas_rules(schemas: dict[str, Any], *, param: str, strict: bool) -> tuple
             raise GrammarError(param, "the JSON schema is not JSON (or nests too deep)") from None
         if size > MAX_SCHEMA_CHARS:
             raise GrammarError(param, f"the JSON schema has {size} characters; at most {MAX_SCHEMA_CHARS}")
+        _precheck(schema, param)
         if strict:
             try:
                 bad = unenforced(schema)
@@ -279,6 +281,38 @@ def schemas_rules(schemas: dict[str, Any], *, param: str, strict: bool) -> tuple
             raise GrammarError(param, f"the JSON schema cannot be converted to a grammar: {type(e).__name__}: "
                                       f"{str(e)[:300]}") from None
     return conv.format_grammar(), tops
+
+
+_COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties", "minContains",
+           "maxContains")
+
+
+def _precheck(schema: Any, param: str) -> None:
+    """What the converter would turn into an unbounded grammar or a deep recursion, refused before it runs
+    (iteratively, so any nesting gets an answer): nesting past MAX_SCHEMA_DEPTH, a length or item count
+    past MAX_REPEAT (each becomes that many nested rules), an enum longer than MAX_CHOICES."""
+    todo: list[tuple[Any, int, str]] = [(schema, 0, "$")]
+    while todo:
+        node, depth, path = todo.pop()
+        if depth > MAX_SCHEMA_DEPTH:
+            raise GrammarError(param, f"the JSON schema nests more than {MAX_SCHEMA_DEPTH} deep (at {path[:80]}…)")
+        if isinstance(node, list):
+            todo += [(v, depth + 1, f"{path}[{i}]") for i, v in enumerate(node) if isinstance(v, (dict, list))]
+            continue
+        if not isinstance(node, dict):
+            continue
+        for k in _COUNTS:
+            v = node.get(k)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                                  or v != int(v) or not 0 <= v <= MAX_REPEAT):
+                raise GrammarError(param, f"{path}.{k} must be a whole number in [0, {MAX_REPEAT}], got {v!r}",
+                                   hint="longer strings or lists: leave the bound out")
+        enum = node.get("enum")
+        if isinstance(enum, list) and len(enum) > MAX_CHOICES:
+            raise GrammarError(param, f"{path}.enum has {len(enum)} values: at most {MAX_CHOICES}")
+        for k, v in node.items():
+            if isinstance(v, (dict, list)) and k not in ("enum", "const", "default", "examples"):
+                todo.append((v, depth + 1, f"{path}.{k}"))
 
 
 def unenforced(schema: Any, path: str = "$") -> list[str]:
@@ -403,6 +437,28 @@ class _Converter(N.SchemaConverter):  # type: ignore[misc]
     def __init__(self, *, param: str, strict: bool) -> None:
         super().__init__(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
         self.param, self.strict = param, strict
+        self._same: dict[str, dict[str, str]] = {}  # escaped name -> {rule text: the numbered name it got}
+        self._free: dict[str, int] = {}  # escaped name -> the next number to try
+
+    def _add_rule(self, name: str, rule: str) -> str:
+        """Upstream's, in constant time: names that escape alike (property names of other scripts or of
+        punctuation all become 'a-') get numbers; upstream searched them from 0 for each one (quadratic:
+        a 258 KB schema took 38 s with the GIL held)."""
+        esc = N.GRAMMAR_INVALID_CHARS.sub("-", name)
+        if esc not in self._rules or self._rules[esc] == rule:
+            key = esc
+        else:
+            same = self._same.setdefault(esc, {})
+            got = same.get(rule)
+            if got is None:
+                i = self._free.get(esc, 0)
+                while f"{esc}{i}" in self._rules:
+                    i += 1
+                got = same[rule] = f"{esc}{i}"
+                self._free[esc] = i + 1
+            key = got
+        self._rules[key] = rule
+        return key
 
     def visit(self, schema: Any, name: str) -> str:
         if isinstance(schema, bool):
