@@ -51,6 +51,8 @@ def row_logprob(row: np.ndarray, token: int, top_n: int = 0) -> TokenLogprob:
     m = r.max()
     shifted = r - m
     lse = m + np.log(np.exp(shifted, out=shifted).sum())  # token_nll's expression, without one temporary
+    if not np.isfinite(lse):  # NaN or +Inf logits: no number to report (JSON has none for them either)
+        raise FloatingPointError("the logits of this row are not finite (NaN or +Inf)")
     lp = -float(lse - r[token])  # the negation of token_nll's term, bit for bit
     # order questions are answered on the float32 row (float64 conversion is exact and monotone): half the bytes
     rank = int(np.count_nonzero(row > row[token])) + 1

@@ -120,6 +120,9 @@ class ServerSettings:
     grammar_max_elements: int = DEFAULT_LIMITS.elements
     grammar_token_seconds: float = DEFAULT_LIMITS.token_seconds
     grammar_request_seconds: float = DEFAULT_LIMITS.request_seconds
+    # Tokens one request may have scored (prompt_logprobs/echo and logprobs, over its prompts and
+    # sequences; server/scoring.py): each is a pass over the vocabulary on the engine thread.
+    max_scored_tokens: int = 8192
 
     # ------------------------------------------------------------------ building
     @classmethod
@@ -226,7 +229,7 @@ class ServerSettings:
 
     def _budget_problems(self) -> list[str]:
         problems = []
-        for name in ("grammar_max_alternatives", "grammar_max_elements"):
+        for name in ("grammar_max_alternatives", "grammar_max_elements", "max_scored_tokens"):
             v = getattr(self, name)
             if type(v) is not int or v < 1:
                 problems.append(f"{name}: must be a positive integer, got {v!r}")
