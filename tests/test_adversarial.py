@@ -205,12 +205,16 @@ def test_scored_tokens_are_bounded_and_sequences_weigh_in_the_queue(served):
     assert "max_scored_tokens" in errbody(r)["message"]
     r = _post(srv, {"prompt": "the cat", "echo": True, "logprobs": 2, "max_tokens": 2})
     assert r.status_code == 200 and r.json()["choices"][0]["logprobs"]["tokens"], r.text
-    # n = 3 sequences hold three of the queue's places (limit 2 + 6: at most 4 for one request) while they run
-    with httpx.stream("POST", srv.url + "/v1/completions", json={"prompt": "the cat", "n": 3, "max_tokens": 200,
-                                                                 "ignore_eos": True, "stream": True},
-                      timeout=120) as resp:
-        next(resp.iter_lines())
-        assert state.in_flight == 3
+    # the queue takes 2 + 6 requests; with 5 places held, one more request fits, four sequences do not
+    held = [state.admit() for _ in range(5)]
+    try:
+        r = _post(srv, {"prompt": "the cat", "n": 4, "max_tokens": 2})
+        assert r.status_code == 429 and errbody(r)["code"] == "queue_full", r.text
+        assert _post(srv, {"prompt": "the cat", "n": 1, "max_tokens": 2}).status_code == 200
+    finally:
+        for t in held:
+            t.release()
+    assert _post(srv, {"prompt": "the cat", "n": 4, "max_tokens": 2}).status_code == 200
     _neighbour_completes(srv)
 
 

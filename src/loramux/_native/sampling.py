@@ -128,8 +128,9 @@ class GrammarHandle(Handle):
         """The next token under the grammar: greedy (`chain` None) or through the chain, without accepting it.
 
         `ban` (a boolean mask over the vocabulary) removes tokens on top of the grammar. `deadline` (a
-        time.perf_counter() value): the checks and the pass over the vocabulary raise TimeoutError once it
-        is past, between two grammar calls (one call cannot be interrupted; a pass goes in chunks)."""
+        time.thread_time() value: this thread's CPU time, which waiting for the GIL or a core does not
+        spend): the checks and the pass over the vocabulary raise TimeoutError once it is past, between
+        two grammar calls (one call cannot be interrupted; a pass goes in chunks)."""
         self._allowed = None
         if chain is None:
             tok = ctx.argmax(idx)
@@ -170,7 +171,7 @@ class GrammarHandle(Handle):
         checks each candidate on its own, so the chunks mask what one call would), checked between calls."""
         step = len(cand) if deadline is None else MASK_CHUNK
         for start in range(0, len(cand), step):
-            if deadline is not None and time.perf_counter() > deadline:
+            if deadline is not None and time.thread_time() > deadline:
                 raise TimeoutError("the grammar's pass over the vocabulary ran past its deadline")
             self._apply(self.ptr, cand[start:start + step])
 
@@ -187,7 +188,7 @@ class GrammarHandle(Handle):
         for t in top[np.argsort(-row[top], kind="stable")]:
             if row[t] == kth and (row > kth).sum() + (row == kth).sum() > k:
                 return None  # ties at the edge of the window: a token outside it could rank the same
-            if deadline is not None and time.perf_counter() > deadline:
+            if deadline is not None and time.thread_time() > deadline:
                 raise TimeoutError("the grammar's checks ran past their deadline")
             if (ban is None or not ban[t]) and self.allows(int(t)):
                 return int(t)

@@ -85,30 +85,32 @@ class ActiveGrammar:
         self.model, self.handle, self.param, self.limits = model, handle, param, limits
         self.table = _utf8_table(model)
         self.state: tuple[int, int, int] = (0, 0, 0)  # (continuation bytes owed, range of the next one)
-        self.spent = 0.0  # engine seconds in this grammar's checks, passes and advances so far
+        # CPU seconds of the engine thread in this grammar's checks, passes and advances so far: CPU time,
+        # not wall time, so that a thread kept waiting (the GIL, a busy machine) is not charged for it
+        self.spent = 0.0
 
     def pick(self, ctx: N.ContextHandle, idx: int, chain: N.SamplerHandle | None) -> int:
         """The next token (see `_native.GrammarHandle.pick`), within the time budgets: a GrammarBudgetError
         once this token or the whole request took longer than `limits` allows."""
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         left = min(self.limits.token_seconds, self.limits.request_seconds - self.spent)
         try:
             tok = self.handle.pick(ctx, idx, chain, self.table.ban(self.state), deadline=t0 + max(left, 0.0))
         except TimeoutError:
-            self.spent += time.perf_counter() - t0
-            raise self._over(time.perf_counter() - t0) from None
+            self.spent += time.thread_time() - t0
+            raise self._over(time.thread_time() - t0) from None
         self._charge(t0)
         return tok
 
     def accept(self, token: int) -> None:
         """Advance by `token` (checked against the grammar first unless `pick` just chose it)."""
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         self.handle.accept(token)
         self.state = _advance(self.state, self.model.handle.token_bytes(token))
         self._charge(t0)
 
     def _charge(self, t0: float) -> None:
-        took = time.perf_counter() - t0
+        took = time.thread_time() - t0
         self.spent += took
         if took > self.limits.token_seconds or self.spent > self.limits.request_seconds:
             raise self._over(took)

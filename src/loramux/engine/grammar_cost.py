@@ -20,6 +20,7 @@ parse is iterative per rule and linear in the text.
 
 from __future__ import annotations
 
+import re
 import sys
 from dataclasses import dataclass
 
@@ -32,17 +33,23 @@ class GrammarLimits:
     (server settings `grammar_*`; docs/structured.md)."""
 
     optional_run: float = 16.0  # weighted length of a run of optional items (nested repetitions multiply)
-    breadth: int = 2048  # alternatives open at one point of the grammar
+    breadth: int = 512  # alternatives open at one point of the grammar (OpenAI allows 500 enum values)
     elements: int = 1 << 20  # grammar elements after llama.cpp expands the repetitions
     repeat: int = 1000  # a {m,n} count
     depth: int = 2048  # groups nested in one rule (the JSON converter nests one per character of a maxLength)
     # engine time of the grammar sampler while the request runs (grammar.ActiveGrammar): one token's checks
     # and pass over the vocabulary, and all of the request's; over either, the request fails alone
-    token_seconds: float = 0.5
-    request_seconds: float = 10.0
+    token_seconds: float = 0.2
+    request_seconds: float = 5.0
 
 
 DEFAULT_LIMITS = GrammarLimits()
+_PLAIN_LITERAL = re.compile(r'"([^"\\]*)"')
+_PLAIN_CLASS = re.compile(r"\[\^?([^\]\\]*)\]")
+_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
+_NAME = re.compile(r"[A-Za-z0-9_-]+")
+_SPACE = re.compile(r"(?:[ \t]|#[^\r\n]*)*")
+_SPACE_NL = re.compile(r"(?:[ \t\r\n]|#[^\r\n]*)*")
 
 
 @dataclass
@@ -153,6 +160,7 @@ class _Parser:
                                  "README.md")
 
     def space(self, newline_ok: bool) -> None:
+        self.i = (_SPACE_NL if newline_ok else _SPACE).match(self.s, self.i).end()
         s, n = self.s, len(self.s)
         while self.i < n:
             c = s[self.i]
@@ -165,13 +173,11 @@ class _Parser:
                 break
 
     def name(self) -> str:
-        j = self.i
-        while j < len(self.s) and (self.s[j].isascii() and (self.s[j].isalnum() or self.s[j] in "-_")):
-            j += 1
-        if j == self.i:
+        m = _NAME.match(self.s, self.i)
+        if not m:
             raise self.error("expecting a rule name")
-        out, self.i = self.s[self.i:j], j
-        return out
+        self.i = m.end()
+        return m.group(0)
 
     def char(self) -> None:
         """One character of a literal or class (escapes: \\xHH \\uHHHH \\UHHHHHHHH \\t \\r \\n \\\\ \\" \\[ \\] \\-)."""
@@ -240,7 +246,12 @@ class _Parser:
         s = self.s
         while self.i < len(s):
             c, at = s[self.i], self.i
-            if c in "\"[":
+            fast = (_PLAIN_LITERAL if c == '"' else _PLAIN_CLASS).match(s, self.i) if c in "\"[" else None
+            if fast:  # no escapes inside: nothing to check character by character
+                self.i = fast.end()
+                n = len(fast.group(1))
+                items.append(_EMPTY if c == "\"" and n == 0 else _one(n if c == "\"" else 1))
+            elif c in "\"[":
                 self.i += 1
                 if c == "[" and s.startswith("^", self.i):
                     self.i += 1
@@ -265,7 +276,7 @@ class _Parser:
             elif c == ".":
                 self.i += 1
                 items.append(_one(1))
-            elif c.isascii() and (c.isalnum() or c in "-_"):
+            elif c in _NAME_CHARS:
                 name = self.name()
                 items.append(_EMPTY if dry else self.ref(name, at))
             elif c == "(":
