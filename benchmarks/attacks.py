@@ -52,6 +52,7 @@ def attacks() -> dict[str, tuple[str, dict[str, Any]]]:
         "type": "object", "properties": {"v": {"enum": [f"s{i}" for i in range(24000)]}}, "required": ["v"],
         "additionalProperties": False}}}
     return {
+        "control": ("/v1/completions", {"prompt": "a", "max_tokens": -1}),  # the floor: any cheap 400, back to back
         "nested10": ("/v1/completions", {"prompt": "a", "max_tokens": 4, "guided_regex": _nested(10)}),
         "nested20": ("/v1/completions", {"prompt": "a", "max_tokens": 4, "guided_regex": _nested(20)}),
         "pattern10": ("/v1/completions", {"prompt": "a", "max_tokens": 4, "guided_json": {

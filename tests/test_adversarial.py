@@ -117,6 +117,11 @@ def test_deep_json_schemas_get_a_400(srv):
     for _ in range(200):
         deep = {"type": "array", "items": deep}
     _refused(_post(srv, {"guided_json": deep}), "guided_json", "nests more than")
+    raw = '{"prompt": "x", "max_tokens": 2, "guided_json": ' + '{"a": ' * 100_000 + "1" + "}" * 100_000 + "}"
+    r = httpx.post(srv.url + "/v1/completions", content=raw, headers={"Content-Type": "application/json"},
+                   timeout=120)
+    assert r.status_code == 400, r.text[:300]
+    _neighbour_completes(srv)
 
 
 # ------------------------------------------------------------------------------ FunctionGemma's call grammar
