@@ -246,26 +246,8 @@ class _Parser:
         s = self.s
         while self.i < len(s):
             c, at = s[self.i], self.i
-            fast = (_PLAIN_LITERAL if c == '"' else _PLAIN_CLASS).match(s, self.i) if c in "\"[" else None
-            if fast:  # no escapes inside: nothing to check character by character
-                self.i = fast.end()
-                n = len(fast.group(1))
-                items.append(_EMPTY if c == "\"" and n == 0 else _one(n if c == "\"" else 1))
-            elif c in "\"[":
-                self.i += 1
-                if c == "[" and s.startswith("^", self.i):
-                    self.i += 1
-                n = 0
-                while self.i < len(s) and s[self.i] != ("\"" if c == "\"" else "]"):
-                    self.char()
-                    n += 1
-                    if c == "[" and s.startswith("-", self.i) and not s.startswith("-]", self.i):
-                        self.i += 1
-                        self.char()
-                if self.i >= len(s):
-                    raise self.error("unexpected end of input (an unclosed literal or class)", at)
-                self.i += 1
-                items.append(_EMPTY if c == "\"" and n == 0 else _one(n if c == "\"" else 1))
+            if c in "\"[":
+                items.append(self.literal(c, at))
             elif c in "<!":
                 self.i += 1 if c == "<" else 2
                 j = s.find(">", self.i)
@@ -303,6 +285,29 @@ class _Parser:
                 break
             self.space(nested)
         return _EMPTY if dry else _seq(items)
+
+    def literal(self, c: str, at: int) -> _Cost:
+        """A string literal or a character class, from its opening quote or bracket."""
+        s = self.s
+        fast = (_PLAIN_LITERAL if c == '"' else _PLAIN_CLASS).match(s, self.i)
+        if fast:  # no escapes inside: nothing to check character by character
+            self.i = fast.end()
+            n = len(fast.group(1))
+        else:
+            self.i += 1
+            if c == "[" and s.startswith("^", self.i):
+                self.i += 1
+            n = 0
+            while self.i < len(s) and s[self.i] != ('"' if c == '"' else "]"):
+                self.char()
+                n += 1
+                if c == "[" and s.startswith("-", self.i) and not s.startswith("-]", self.i):
+                    self.i += 1
+                    self.char()
+            if self.i >= len(s):
+                raise self.error("unexpected end of input (an unclosed literal or class)", at)
+            self.i += 1
+        return _EMPTY if c == '"' and n == 0 else _one(n if c == '"' else 1)
 
     def braces(self) -> tuple[int, int | None]:
         self.space(True)
