@@ -36,6 +36,7 @@ MAX_GRAMMAR_CHARS = 1 << 20  # a GBNF grammar or a converted schema
 MAX_SCHEMA_CHARS = 1 << 18  # a JSON schema, as JSON text
 MAX_CHOICES = 1024
 MAX_SCHEMA_DEPTH = 64  # a JSON schema's nesting (objects and lists of its text)
+MAX_SCHEMA_PROPERTIES = 5000  # properties over the whole schema (as OpenAI allows; each becomes rules)
 MAX_DIGITS = 15  # unbounded integer parts: at most this many digits, as llama.cpp's converter does
 
 # Keywords the grammar enforces (or that only annotate); any other one makes a strict schema a 400.
@@ -291,9 +292,11 @@ _COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "m
 
 def _precheck(schema: Any, param: str) -> None:
     """What the converter would turn into an unbounded grammar or a deep recursion, refused before it runs
-    (iteratively, so any nesting gets an answer): nesting past MAX_SCHEMA_DEPTH, a length or item count
-    past MAX_REPEAT (each becomes that many nested rules), an enum longer than MAX_CHOICES."""
+    (iteratively, so any nesting gets an answer): nesting past MAX_SCHEMA_DEPTH, more than
+    MAX_SCHEMA_PROPERTIES properties, a length or item count past MAX_REPEAT (each becomes that many
+    nested rules), an enum longer than MAX_CHOICES."""
     todo: list[tuple[Any, int, str]] = [(schema, 0, "$")]
+    n_props = 0
     while todo:
         node, depth, path = todo.pop()
         if depth > MAX_SCHEMA_DEPTH:
@@ -309,6 +312,11 @@ def _precheck(schema: Any, param: str) -> None:
                                   or v != int(v) or not 0 <= v <= MAX_REPEAT):
                 raise GrammarError(param, f"{path}.{k} must be a whole number in [0, {MAX_REPEAT}], got {v!r}",
                                    hint="longer strings or lists: leave the bound out")
+        props = node.get("properties")
+        n_props += len(props) if isinstance(props, dict) else 0
+        if n_props > MAX_SCHEMA_PROPERTIES:
+            raise GrammarError(param, f"the JSON schema has more than {MAX_SCHEMA_PROPERTIES} properties in all: "
+                                      "each is a rule of the grammar, converted with the GIL held")
         enum = node.get("enum")
         if isinstance(enum, list) and len(enum) > MAX_CHOICES:
             raise GrammarError(param, f"{path}.enum has {len(enum)} values: at most {MAX_CHOICES}")
