@@ -1,10 +1,11 @@
 """Costly requests beside a normal one: how much each attack slows an 8-token neighbour on `loramux serve`.
 
 One `loramux serve` subprocess (default settings, loopback). The neighbour is an 8-token greedy completion
-(EOS ignored); its latency is measured alone, then while an attacker keeps one attack request in flight
-(back to back, for as long as the neighbour is measured). The table shows the neighbour's median latency
-without and with each attack, their ratio (the budgets aim at ≤ 2×), and what the attacker got back
-(HTTP status and error code, counted).
+(EOS ignored); its latency is measured alone and while an attacker keeps one attack request in flight
+(back to back), in turn, `--repeats` times each. The table shows the neighbour's median latency without
+and with each attack, their ratio (the budgets aim at ≤ 2×), and what the attacker got back (HTTP status
+and error code, counted). The "control" row floods the server with a trivially invalid request: the
+cost of any refusal, for comparison.
 
     python benchmarks/attacks.py                      # the embedded Gemma 3 270M
     python benchmarks/attacks.py --only nested10,scoring --repeats 9
@@ -71,23 +72,30 @@ def attacks() -> dict[str, tuple[str, dict[str, Any]]]:
 
 
 class Attacker(threading.Thread):
-    """Keeps one attack request in flight until stopped; counts what came back."""
+    """Keeps one attack request in flight while `active` is set, until stopped; counts what came back.
+    `idle` is set while no attack request is in flight."""
 
     def __init__(self, url: str, path: str, body: dict[str, Any]) -> None:
         super().__init__(daemon=True)
         self.url, self.path, self.body = url, path, body
-        self.stop = threading.Event()
+        self.stop, self.active, self.idle = threading.Event(), threading.Event(), threading.Event()
+        self.idle.set()
         self.outcomes: Counter[str] = Counter()
 
     def run(self) -> None:
         with httpx.Client(timeout=600) as c:
             while not self.stop.is_set():
+                if not self.active.wait(0.1):
+                    continue
+                self.idle.clear()
                 try:
                     r = c.post(self.url + self.path, json=self.body)
                     code = r.json().get("error", {}).get("code") if r.status_code != 200 else "ok"
                     self.outcomes[f"{r.status_code} {code}"] += 1
                 except (httpx.HTTPError, ValueError) as e:
                     self.outcomes[type(e).__name__] += 1
+                finally:
+                    self.idle.set()
 
 
 def neighbour(url: str, repeats: int) -> list[float]:
@@ -125,11 +133,16 @@ def main() -> int:
         base = neighbour(url, args.repeats)
         raw["alone"] = base
         for name, (path, body) in chosen.items():
-            alone = neighbour(url, args.repeats)  # measured again next to each attack: the machine drifts
             att = Attacker(url, path, body)
             att.start()
-            time.sleep(0.5)  # let the first attack request reach the engine
-            during = neighbour(url, args.repeats)
+            alone, during = [], []
+            for _ in range(args.repeats):  # alone and attacked in turn: the shared machine drifts
+                att.active.clear()
+                att.idle.wait(600)
+                alone += neighbour(url, 1)
+                att.active.set()
+                time.sleep(0.5)  # let the attack request reach the engine
+                during += neighbour(url, 1)
             att.stop.set()
             att.join(600)
             raw[name] = {"alone": alone, "attacked": during, "outcomes": dict(att.outcomes)}
