@@ -186,10 +186,11 @@ def test_schema_conversion_of_colliding_names_is_linear():
 
 
 # ------------------------------------------------------------------------------ budgets while serving
-def test_a_grammar_over_its_time_budget_fails_alone(tiny_model):
-    """With a token budget no grammar step can meet, every constrained request fails with the budget named
+@pytest.mark.parametrize("budget", ["grammar_token_seconds", "grammar_request_seconds"])
+def test_a_grammar_over_its_time_budget_fails_alone(tiny_model, budget):
+    """With a budget no grammar step can meet, every constrained request fails with the budget named
     (streamed or not) while an unconstrained neighbour, sent at the same time, completes."""
-    with serving(tiny_model, parallel=2, n_ctx=512, grammar_token_seconds=1e-9) as (s, _eng, _st):
+    with serving(tiny_model, parallel=2, n_ctx=512, **{budget: 1e-9}) as (s, _eng, _st):
         out: dict[str, httpx.Response] = {}
         t = threading.Thread(target=lambda: out.setdefault("attack", _post(s, {"guided_choice": ["cat", "dog"]})))
         t.start()
@@ -199,7 +200,7 @@ def test_a_grammar_over_its_time_budget_fails_alone(tiny_model):
         assert r.status_code == 400, r.text
         err = errbody(r)
         assert err["code"] == "grammar_budget_exceeded" and err["param"] == "guided_choice", err
-        assert "grammar_token_seconds" in err["message"]
+        assert budget in err["message"]
         with httpx.stream("POST", s.url + "/v1/completions", json={"prompt": "the cat", "max_tokens": 4,
                                                                    "guided_regex": "[a-z]+", "stream": True},
                           timeout=120) as resp:
