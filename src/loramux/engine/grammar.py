@@ -26,7 +26,7 @@ import numpy as np
 
 from .. import _native as N
 from ..errors import BackendError, GrammarBudgetError, GrammarError
-from .grammar_cost import DEFAULT_LIMITS, GrammarLimits, check
+from .grammar_cost import DEFAULT_LIMITS, YIELD_EVERY, GrammarLimits, check
 from .regex_gbnf import MAX_REPEAT, gbnf_literal, regex_to_gbnf
 
 if TYPE_CHECKING:
@@ -454,6 +454,8 @@ class _Converter(N.SchemaConverter):  # type: ignore[misc]
         """Upstream's, in constant time: names that escape alike (property names of other scripts or of
         punctuation all become 'a-') get numbers; upstream searched them from 0 for each one (quadratic:
         a 258 KB schema took 38 s with the GIL held)."""
+        if not len(self._rules) % YIELD_EVERY:
+            time.sleep(0)  # the converter holds the GIL too: give it up now and then (grammar_cost.YIELD_EVERY)
         esc = N.GRAMMAR_INVALID_CHARS.sub("-", name)
         if esc not in self._rules or self._rules[esc] == rule:
             key = esc

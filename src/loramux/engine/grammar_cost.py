@@ -20,8 +20,10 @@ parse is iterative per rule and linear in the text.
 
 from __future__ import annotations
 
+import functools
 import re
 import sys
+import time
 from dataclasses import dataclass
 
 from ..errors import GrammarError
@@ -44,6 +46,11 @@ class GrammarLimits:
 
 
 DEFAULT_LIMITS = GrammarLimits()
+# This parse holds the GIL (a worker thread's, but the engine's Python and the event loop need it too):
+# a megabyte of grammar takes a few seconds, in which a thread waiting for the GIL gets it only every
+# switch interval (5 ms) and the decode steps of every other request crawl. Every this many items the
+# parse gives it up at once.
+YIELD_EVERY = 256
 _PLAIN_LITERAL = re.compile(r'"([^"\\]*)"')
 _PLAIN_CLASS = re.compile(r"\[\^?([^\]\\]*)\]")
 _NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
@@ -147,6 +154,7 @@ class _Parser:
     def __init__(self, text: str, param: str, limits: GrammarLimits) -> None:
         self.s, self.i, self.param, self.limits = text, 0, param, limits
         self.rules: dict[str, list[tuple[str, int]]] = {}  # rule name -> [(raw body start, end)]
+        self.items = 0  # items parsed so far (see `sequence`)
         self.bodies: dict[str, _Cost | None] = {}
 
     def error(self, what: str, at: int | None = None) -> GrammarError:
@@ -245,6 +253,9 @@ class _Parser:
         items: list[_Cost] = []
         s = self.s
         while self.i < len(s):
+            self.items += 1
+            if not self.items % YIELD_EVERY:
+                time.sleep(0)  # hand the GIL to the engine and the event loop now and then (see YIELD_EVERY)
             c, at = s[self.i], self.i
             if c in "\"[":
                 items.append(self.literal(c, at))
@@ -357,11 +368,32 @@ def _ref(c: _Cost) -> _Cost:
 
 def check(text: str, *, param: str, root: str = "root", limits: GrammarLimits = DEFAULT_LIMITS) -> None:
     """Refuse a grammar that does not parse or would cost over `limits` (see the module docstring)."""
+    run, breadth, size = _measure(text, param, root, limits.repeat, limits.depth)
+    if run > limits.optional_run:
+        raise GrammarError(param, f"the grammar has a run of optional items of weight {run:g} (nested optional "
+                                  f"repetitions multiply, e.g. ((a?){{10}}){{10}} weighs 100): at most "
+                                  f"{limits.optional_run:g} (grammar_max_optional_run)",
+                           hint="make the repeated item non-optional (a{0,100} rather than (a?){100}), "
+                                "or repeat fewer optional items")
+    if breadth > limits.breadth:
+        raise GrammarError(param, f"the grammar has {breadth} alternatives open at one point: at most "
+                                  f"{limits.breadth} (grammar_max_alternatives)",
+                           hint="fewer alternatives (a shorter enum or choice list), or a pattern instead")
+    if size > limits.elements:
+        raise GrammarError(param, f"the grammar expands to about {size} elements: at most {limits.elements} "
+                                  "(grammar_max_elements)", hint="smaller repetition counts")
+
+
+@functools.lru_cache(maxsize=8)  # a client's GBNF is measured when the request is read and when it compiles
+def _measure(text: str, param: str, root: str, repeat: int, depth: int) -> tuple[float, int, int]:
+    """(widest run of optional items, most alternatives open at once, expanded elements) of a grammar
+    that parses (a GrammarError otherwise, not cached)."""
+    limits = GrammarLimits(repeat=repeat, depth=depth)
     p = _Parser(text, param, limits)
     # Groups recurse here as in llama.cpp's parser, three frames a level: make room for `limits.depth` of
     # them (Python-to-Python calls do not grow the C stack, so a higher limit is safe).
-    if sys.getrecursionlimit() < 4 * limits.depth + 1000:
-        sys.setrecursionlimit(4 * limits.depth + 1000)
+    if sys.getrecursionlimit() < 4 * depth + 1000:
+        sys.setrecursionlimit(4 * depth + 1000)
     try:
         p.rules_pass()
         if root not in p.rules:
@@ -372,22 +404,8 @@ def check(text: str, *, param: str, root: str = "root", limits: GrammarLimits = 
         raise GrammarError(param, "the grammar's rules refer to one another too deep (a chain of a few hundred "
                                   "rules, each the first item of the one before)") from None
     costs = [c for c in p.bodies.values() if c is not None]
-    run = max((c.run for c in costs), default=0.0)
-    if run > limits.optional_run:
-        raise GrammarError(param, f"the grammar has a run of optional items of weight {run:g} (nested optional "
-                                  f"repetitions multiply, e.g. ((a?){{10}}){{10}} weighs 100): at most "
-                                  f"{limits.optional_run:g} (grammar_max_optional_run)",
-                           hint="make the repeated item non-optional (a{0,100} rather than (a?){100}), "
-                                "or repeat fewer optional items")
-    breadth = max((c.wide for c in costs), default=0)
-    if breadth > limits.breadth:
-        raise GrammarError(param, f"the grammar has {breadth} alternatives open at one point: at most "
-                                  f"{limits.breadth} (grammar_max_alternatives)",
-                           hint="fewer alternatives (a shorter enum or choice list), or a pattern instead")
-    size = sum(c.size + c.sub for c in costs) + len(costs)
-    if size > limits.elements:
-        raise GrammarError(param, f"the grammar expands to about {size} elements: at most {limits.elements} "
-                                  "(grammar_max_elements)", hint="smaller repetition counts")
+    return (max((c.run for c in costs), default=0.0), max((c.wide for c in costs), default=0),
+            sum(c.size + c.sub for c in costs) + len(costs))
 
 
 __all__ = ["DEFAULT_LIMITS", "GrammarLimits", "check"]

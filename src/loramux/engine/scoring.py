@@ -30,8 +30,9 @@ T = TypeVar("T")
 MAX_TOP_LOGPROBS = 20  # alternatives per token (OpenAI's bound)
 SCORE_ROWS = 64  # full-vocabulary logit rows per decode for prompt scoring, over the whole batch
 # ... while a request that is not scoring its prompt runs too: its tokens wait for each of these decodes
-# (64 rows of Gemma's 262k vocabulary: about a second on 2 cores; 8 keep a neighbour's step near its own)
-SCORE_ROWS_SHARED = 8
+# (a row of Gemma 3's 262k vocabulary takes 5-25 ms on 2 cores: 64 take a second; 4 keep a
+# neighbour's step near its own length)
+SCORE_ROWS_SHARED = 4
 
 
 @dataclass(frozen=True)
