@@ -30,9 +30,9 @@ T = TypeVar("T")
 MAX_TOP_LOGPROBS = 20  # alternatives per token (OpenAI's bound)
 SCORE_ROWS = 64  # full-vocabulary logit rows per decode for prompt scoring, over the whole batch
 # ... while a request that is not scoring its prompt runs too: its tokens wait for each of these decodes
-# (a row of Gemma 3's 262k vocabulary takes 5-25 ms on 2 cores: 64 take a second; 4 keep a
+# (a row of Gemma 3's 262k vocabulary takes 5-25 ms on 2 cores: 64 take a second; 2 keep a
 # neighbour's step near its own length)
-SCORE_ROWS_SHARED = 4
+SCORE_ROWS_SHARED = 2
 
 
 @dataclass(frozen=True)
