@@ -28,6 +28,8 @@ from .generation import Job
 from .schemas import ChatRequest, CompletionRequest
 from .state import ServerState, Ticket
 
+YIELD_EVERY = 64  # entries rendered between two hand-overs of the GIL (each has up to 21 alternatives)
+
 
 def handles(body: CompletionRequest | ChatRequest) -> bool:
     """Does this request need scoring or several sequences (else the plain generation path serves it)?"""
@@ -265,7 +267,9 @@ def _legacy_logprobs(c: Completion, pieces: Pieces, body: CompletionRequest, pro
 def legacy_entries(entries: list[TokenLogprob], pieces: Pieces, top_n: int, offset: int) -> dict[str, Any]:
     """OpenAI's legacy `logprobs` object; each top_logprobs dict holds the top N and the chosen token."""
     out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for e in entries:
+    for i, e in enumerate(entries):
+        if i and not i % YIELD_EVERY:
+            time.sleep(0)  # hand the GIL to the engine thread now and then (a worker thread renders this)
         out["tokens"].append(pieces.text(e.token))
         out["token_logprobs"].append(e.logprob)
         out["text_offset"].append(offset)
@@ -301,7 +305,9 @@ def _vllm_prompt_logprobs(entries: list[TokenLogprob], pieces: Pieces, top_n: in
     """vLLM's `prompt_logprobs`: None for the first token, then {token id: {logprob, rank, decoded_token}}
     with the prompt's own token and the top N."""
     out: list[Any] = []
-    for e in entries:
+    for i, e in enumerate(entries):
+        if i and not i % YIELD_EVERY:
+            time.sleep(0)
         if e.logprob is None:
             out.append(None)
             continue
