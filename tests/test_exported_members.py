@@ -21,7 +21,8 @@ PUBLIC = {
 ERRORS = {
     "AdapterError", "AdapterNotFoundError", "BackendError", "ChecksumError", "ContextLengthError",
     "ControlVectorError", "ConversionError", "DownloadCancelled", "DownloadError", "DownloadRefused",
-    "EngineClosedError", "FactorError", "GGUFFormatError", "LoramuxError", "ModelError", "PackageDataError",
+    "EngineClosedError", "FactorError", "GGUFFormatError", "GrammarBudgetError", "LoramuxError", "ModelError",
+    "PackageDataError",
     "ParameterError",
     "ProbeMismatch", "RequestFailed", "RpcError", "ScaleError", "SlotsBusyError", "SourceError", "TrainingError",
     "ChatTemplateError", "GrammarError",

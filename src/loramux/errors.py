@@ -26,6 +26,7 @@ Every public error is defined here. The tree (``code`` is what the server puts i
     ├── ContextLengthError          context_length_exceeded (also a ValueError)
     ├── ParameterError              invalid_parameter    (also a ValueError)
     │   ├── GrammarError            invalid_grammar      a schema, regex, choice or GBNF cannot constrain output
+    │   │   └── GrammarBudgetError  grammar_budget_exceeded  a grammar ran over its time budget
     │   └── ChatTemplateError       invalid_chat_template the chat template refused or failed on the messages
     ├── EngineClosedError           engine_closed        (also a RuntimeError)
     ├── RequestFailed               request_failed       one request failed; the others go on
@@ -266,6 +267,18 @@ class GrammarError(ParameterError):
     code = "invalid_grammar"
 
 
+class GrammarBudgetError(GrammarError):
+    """A request's grammar took more engine time than its budget (per token or per request) while it was
+    being served: that request ended, the others went on. `budget` names the setting."""
+
+    code = "grammar_budget_exceeded"
+
+    def __init__(self, parameter: str, budget: str, message: str):
+        self.budget = budget
+        super().__init__(parameter, message, hint=f"a simpler grammar (fewer alternatives, fewer optional items), "
+                                                  f"or a larger {budget} on the server")
+
+
 class ChatTemplateError(ParameterError):
     """The chat template raised (`raise_exception`) or failed on these messages; `template` names it."""
 
@@ -338,7 +351,8 @@ class ProbeMismatch(LoramuxError):
 __all__ = [
     "AdapterError", "AdapterNotFoundError", "BackendError", "ChecksumError", "ContextLengthError",
     "ControlVectorError", "ConversionError", "DownloadCancelled", "DownloadError", "DownloadRefused",
-    "ChatTemplateError", "EngineClosedError", "FactorError", "GGUFFormatError", "GrammarError", "LoramuxError",
-    "ModelError", "PackageDataError", "ParameterError", "ProbeMismatch", "RequestFailed", "RpcError", "ScaleError", "SlotsBusyError",
+    "ChatTemplateError", "EngineClosedError", "FactorError", "GGUFFormatError", "GrammarBudgetError", "GrammarError",
+    "LoramuxError", "ModelError", "PackageDataError", "ParameterError", "ProbeMismatch", "RequestFailed", "RpcError",
+    "ScaleError", "SlotsBusyError",
     "SourceError", "TrainingError",
 ]

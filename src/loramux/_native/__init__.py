@@ -40,6 +40,7 @@ from .rpc import rpc_on_lost as rpc_on_lost
 from .rpc import rpc_serve as rpc_serve
 from .rpc import rpc_supported as rpc_supported
 from .rpc import rpc_worker_devices as rpc_worker_devices
+from .sampling import GRAMMAR_INVALID_CHARS as GRAMMAR_INVALID_CHARS
 from .sampling import GRAMMAR_RESERVED_NAMES as GRAMMAR_RESERVED_NAMES
 from .sampling import GREEDY_SCAN as GREEDY_SCAN
 from .sampling import JSON_GBNF as JSON_GBNF

@@ -6,6 +6,7 @@ engine reaches the binding through this package only.
 from __future__ import annotations
 
 import ctypes
+import time
 from typing import Any
 
 import numpy as np
@@ -64,6 +65,7 @@ def _penalties(model: ModelHandle, last_n: int, repeat: float, freq: float, pres
 # --------------------------------------------------------------------------------------------
 
 GREEDY_SCAN = 64  # greedy: allowed-token checks before a full grammar pass over the vocabulary
+MASK_CHUNK = 4096  # candidates per grammar call of a pass with a deadline (checked between calls)
 _TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)], align=True)
 
 
@@ -95,6 +97,7 @@ class GrammarHandle(Handle):
         self.n_vocab = n_vocab
         self._one = np.zeros(1, dtype=_TOKEN_DATA)
         self._all: np.ndarray | None = None  # the whole-vocabulary candidates, allocated on first rejection
+        self._allowed: int | None = None  # the token the last pick found allowed (accept skips its check)
 
     def _apply(self, smpl: Any, data: np.ndarray) -> int:
         arr = C.llama_token_data_array(data.ctypes.data_as(ctypes.POINTER(C.llama_token_data)), len(data), -1, False)
@@ -120,32 +123,60 @@ class GrammarHandle(Handle):
         a["p"] = 0.0
         return a
 
-    def pick(self, ctx: ContextHandle, idx: int, chain: SamplerHandle | None, ban: np.ndarray | None = None) -> int:
+    def pick(self, ctx: ContextHandle, idx: int, chain: SamplerHandle | None, ban: np.ndarray | None = None,
+             deadline: float | None = None) -> int:
         """The next token under the grammar: greedy (`chain` None) or through the chain, without accepting it.
 
-        `ban` (a boolean mask over the vocabulary) removes tokens on top of the grammar."""
+        `ban` (a boolean mask over the vocabulary) removes tokens on top of the grammar. `deadline` (a
+        time.thread_time() value: this thread's CPU time, which waiting for the GIL or a core does not
+        spend): the checks and the pass over the vocabulary raise TimeoutError once it is past, between
+        two grammar calls (one call cannot be interrupted; a pass goes in chunks)."""
+        self._allowed = None
         if chain is None:
             tok = ctx.argmax(idx)
         else:
             cand = self._candidates(ctx, idx)
             tok = int(cand["id"][self._apply(chain.ptr, cand)])
         if self.lazy and (ban is None or not ban[tok]) and self.allows(tok):
+            self._allowed = tok
             return tok
         if chain is None and self.lazy:  # greedy: the best allowed token is nearly always among the best few
-            best = self._best_allowed(ctx, idx, ban, GREEDY_SCAN)
+            best = self._best_allowed(ctx, idx, ban, GREEDY_SCAN, deadline)
             if best is not None:
+                self._allowed = best
                 return best
         cand = self._candidates(ctx, idx)
-        self._apply(self.ptr, cand)  # rejected: mask the whole vocabulary (in id order), then choose again
+        self._mask(cand, deadline)  # rejected: mask the whole vocabulary (in id order), then choose again
         if ban is not None:
             cand["logit"][ban] = -np.inf
         if not np.isfinite(cand["logit"]).any():
             raise BackendError("llama_sampler_apply", None, "the grammar allows no token here (a dead end)")
         if chain is None:
-            return int(cand["logit"].argmax())
-        return int(cand["id"][self._apply(chain.ptr, cand)])
+            tok = int(cand["logit"].argmax())
+        else:
+            tok = int(cand["id"][self._apply(chain.ptr, cand)])
+        if np.isfinite(self._all_logit(tok)):
+            self._allowed = tok
+        return tok
 
-    def _best_allowed(self, ctx: ContextHandle, idx: int, ban: np.ndarray | None, k: int) -> int | None:
+    def _all_logit(self, token: int) -> float:
+        """The masked logit of `token` after a full pass (the chain may have reordered the candidates)."""
+        a = self._all
+        assert a is not None
+        hit = np.flatnonzero(a["id"] == token)
+        return float(a["logit"][hit[0]]) if len(hit) else -np.inf
+
+    def _mask(self, cand: np.ndarray, deadline: float | None) -> None:
+        """The grammar's pass over `cand`, MASK_CHUNK candidates a call when there is a deadline (llama.cpp
+        checks each candidate on its own, so the chunks mask what one call would), checked between calls."""
+        step = len(cand) if deadline is None else MASK_CHUNK
+        for start in range(0, len(cand), step):
+            if deadline is not None and time.thread_time() > deadline:
+                raise TimeoutError("the grammar's pass over the vocabulary ran past its deadline")
+            self._apply(self.ptr, cand[start:start + step])
+
+    def _best_allowed(self, ctx: ContextHandle, idx: int, ban: np.ndarray | None, k: int,
+                      deadline: float | None = None) -> int | None:
         """The highest-logit token the grammar allows among the `k` best (ties: the lowest id, as argmax over
         the masked vocabulary would pick), or None to fall back to the full pass."""
         ptr = C.llama_get_logits_ith(ctx.ptr, idx)
@@ -157,12 +188,18 @@ class GrammarHandle(Handle):
         for t in top[np.argsort(-row[top], kind="stable")]:
             if row[t] == kth and (row > kth).sum() + (row == kth).sum() > k:
                 return None  # ties at the edge of the window: a token outside it could rank the same
+            if deadline is not None and time.thread_time() > deadline:
+                raise TimeoutError("the grammar's checks ran past their deadline")
             if (ban is None or not ban[t]) and self.allows(int(t)):
                 return int(t)
         return None
 
     def accept(self, token: int) -> None:
-        """Advance the grammar by a token it allows (never pass one `allows` refused: llama.cpp aborts)."""
+        """Advance the grammar by a token it allows. llama.cpp ends the process on a token its grammar
+        refuses, so a token `pick` did not just return as allowed is checked first (a BackendError)."""
+        if token != self._allowed and not self.allows(token):
+            raise BackendError("llama_sampler_accept", None, f"the grammar does not allow token {token} here")
+        self._allowed = None
         C.llama_sampler_accept(self.ptr, token)
 
 
@@ -173,6 +210,7 @@ def sampler_accept(chain: SamplerHandle, token: int) -> None:
 
 # llama-cpp-python's maintained port of llama.cpp's JSON-schema → GBNF converter (pure Python, shipped with
 # the binding), re-exported so that the engine reaches the binding through this module only.
+from llama_cpp.llama_grammar import INVALID_RULE_CHARS_RE as GRAMMAR_INVALID_CHARS  # noqa: E402,F401
 from llama_cpp.llama_grammar import JSON_GBNF as JSON_GBNF  # noqa: E402
 from llama_cpp.llama_grammar import RESERVED_NAMES as _GRAMMAR_RESERVED  # noqa: E402
 from llama_cpp.llama_grammar import SchemaConverter as SchemaConverter  # noqa: E402

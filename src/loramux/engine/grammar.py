@@ -16,6 +16,7 @@ import copy
 import json
 import math
 import threading
+import time
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,7 +25,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .. import _native as N
-from ..errors import BackendError, GrammarError
+from ..errors import BackendError, GrammarBudgetError, GrammarError
+from .grammar_cost import DEFAULT_LIMITS, YIELD_EVERY, GrammarLimits, check
 from .regex_gbnf import MAX_REPEAT, gbnf_literal, regex_to_gbnf
 
 if TYPE_CHECKING:
@@ -33,6 +35,8 @@ if TYPE_CHECKING:
 MAX_GRAMMAR_CHARS = 1 << 20  # a GBNF grammar or a converted schema
 MAX_SCHEMA_CHARS = 1 << 18  # a JSON schema, as JSON text
 MAX_CHOICES = 1024
+MAX_SCHEMA_DEPTH = 64  # a JSON schema's nesting (objects and lists of its text)
+MAX_SCHEMA_PROPERTIES = 5000  # properties over the whole schema (as OpenAI allows; each becomes rules)
 MAX_DIGITS = 15  # unbounded integer parts: at most this many digits, as llama.cpp's converter does
 
 # Keywords the grammar enforces (or that only annotate); any other one makes a strict schema a 400.
@@ -52,14 +56,17 @@ class Grammar:
     param: str
     root: str = "root"
 
-    def compile(self, model: Model) -> ActiveGrammar:
-        """llama.cpp's grammar sampler for this grammar (`model`: an engine `Model`); a GrammarError if
-        llama.cpp cannot parse it. Safe on any thread: it only reads the vocabulary."""
+    def compile(self, model: Model, limits: GrammarLimits = DEFAULT_LIMITS) -> ActiveGrammar:
+        """llama.cpp's grammar sampler for this grammar (`model`: an engine `Model`); a GrammarError if it
+        does not parse or would cost over `limits` (grammar_cost.py), checked before llama.cpp builds it.
+        Safe on any thread: it only reads the vocabulary."""
         if len(self.gbnf) > MAX_GRAMMAR_CHARS:
             raise GrammarError(self.param, f"the grammar has {len(self.gbnf)} characters; at most "
                                            f"{MAX_GRAMMAR_CHARS} are accepted")
+        check(self.gbnf, param=self.param, root=self.root, limits=limits)
         try:
-            return ActiveGrammar(model, N.GrammarHandle.create(model.handle, self.gbnf, self.root))
+            return ActiveGrammar(model, N.GrammarHandle.create(model.handle, self.gbnf, self.root), self.param,
+                                 limits)
         except BackendError as e:
             raise GrammarError(self.param, f"llama.cpp cannot use this grammar: {e.message}",
                                hint="GBNF syntax: https://github.com/ggml-org/llama.cpp/blob/master/grammars/"
@@ -74,17 +81,49 @@ class ActiveGrammar:
     overlong forms and surrogates. Unguarded, a string could come out as invalid UTF-8 (and then not parse
     as JSON). The guard bans, at each step, the tokens whose bytes would make the text so far invalid."""
 
-    def __init__(self, model: Model, handle: N.GrammarHandle) -> None:
-        self.model, self.handle = model, handle
+    def __init__(self, model: Model, handle: N.GrammarHandle, param: str = "grammar",
+                 limits: GrammarLimits = DEFAULT_LIMITS) -> None:
+        self.model, self.handle, self.param, self.limits = model, handle, param, limits
         self.table = _utf8_table(model)
         self.state: tuple[int, int, int] = (0, 0, 0)  # (continuation bytes owed, range of the next one)
+        # CPU seconds of the engine thread in this grammar's checks, passes and advances so far: CPU time,
+        # not wall time, so that a thread kept waiting (the GIL, a busy machine) is not charged for it
+        self.spent = 0.0
 
     def pick(self, ctx: N.ContextHandle, idx: int, chain: N.SamplerHandle | None) -> int:
-        return self.handle.pick(ctx, idx, chain, self.table.ban(self.state))
+        """The next token (see `_native.GrammarHandle.pick`), within the time budgets: a GrammarBudgetError
+        once this token or the whole request took longer than `limits` allows."""
+        t0 = time.thread_time()
+        left = min(self.limits.token_seconds, self.limits.request_seconds - self.spent)
+        try:
+            tok = self.handle.pick(ctx, idx, chain, self.table.ban(self.state), deadline=t0 + max(left, 0.0))
+        except TimeoutError:
+            self.spent += time.thread_time() - t0
+            raise self._over(time.thread_time() - t0) from None
+        self._charge(t0)
+        return tok
 
     def accept(self, token: int) -> None:
+        """Advance by `token` (checked against the grammar first unless `pick` just chose it)."""
+        t0 = time.thread_time()
         self.handle.accept(token)
         self.state = _advance(self.state, self.model.handle.token_bytes(token))
+        self._charge(t0)
+
+    def _charge(self, t0: float) -> None:
+        took = time.thread_time() - t0
+        self.spent += took
+        if took > self.limits.token_seconds or self.spent > self.limits.request_seconds:
+            raise self._over(took)
+
+    def _over(self, took: float) -> GrammarBudgetError:
+        if self.spent > self.limits.request_seconds:
+            return GrammarBudgetError(self.param, "grammar_request_seconds", f"the grammar took {self.spent:.2f} s "
+                                      f"of engine time in this request: at most {self.limits.request_seconds:g} s "
+                                      "(grammar_request_seconds); the request ended there")
+        return GrammarBudgetError(self.param, "grammar_token_seconds", f"the grammar took over {took:.2f} s for "
+                                  f"one token: at most {self.limits.token_seconds:g} s (grammar_token_seconds); "
+                                  "the request ended there")
 
     def close(self) -> None:
         self.handle.close()
@@ -155,6 +194,8 @@ class _Utf8Table:
         return hit
 
 
+_SYNTAX_ONLY = GrammarLimits(optional_run=math.inf, breadth=1 << 62, elements=1 << 62)
+
 _TABLES: weakref.WeakKeyDictionary[Any, _Utf8Table] = weakref.WeakKeyDictionary()
 _TABLES_LOCK = threading.Lock()
 
@@ -172,33 +213,10 @@ def gbnf(text: Any, param: str = "grammar") -> Grammar:
     """A grammar given as GBNF text (llama-server's `grammar`, vLLM's `guided_grammar`), root rule `root`."""
     if not isinstance(text, str) or not text.strip():
         raise GrammarError(param, "must be a non-empty GBNF grammar (a string with a 'root ::= ...' rule)")
-    big = max(_repetition_counts(text), default=0)
-    if big > MAX_REPEAT:
-        raise GrammarError(param, f"a repetition count of {big}: at most {MAX_REPEAT} (llama.cpp expands each "
-                                  "repetition into rules)")
+    # The syntax and the repetition counts now, with the request's field; its cost against the server's
+    # budgets when it is compiled.
+    check(text, param=param, limits=_SYNTAX_ONLY)
     return Grammar(text, param)
-
-
-def _repetition_counts(text: str) -> list[int]:
-    """The numbers in the grammar's {m,n} repetitions, outside string literals, classes and comments."""
-    out, i, n = [], 0, len(text)
-    while i < n:
-        c = text[i]
-        if c in "\"[":
-            close = '"' if c == '"' else "]"
-            i += 1
-            while i < n and text[i] != close:
-                i += 2 if text[i] == "\\" else 1
-        elif c == "#":
-            while i < n and text[i] != "\n":
-                i += 1
-        elif c == "{":
-            j = text.find("}", i)
-            if j > 0:
-                out += [int(x) for x in text[i + 1:j].replace(" ", "").split(",") if x.isdigit()]
-                i = j
-        i += 1
-    return out
 
 
 def json_object(param: str = "response_format") -> Grammar:
@@ -247,6 +265,7 @@ def schemas_rules(schemas: dict[str, Any], *, param: str, strict: bool) -> tuple
             raise GrammarError(param, "the JSON schema is not JSON (or nests too deep)") from None
         if size > MAX_SCHEMA_CHARS:
             raise GrammarError(param, f"the JSON schema has {size} characters; at most {MAX_SCHEMA_CHARS}")
+        _precheck(schema, param)
         if strict:
             try:
                 bad = unenforced(schema)
@@ -265,6 +284,45 @@ def schemas_rules(schemas: dict[str, Any], *, param: str, strict: bool) -> tuple
             raise GrammarError(param, f"the JSON schema cannot be converted to a grammar: {type(e).__name__}: "
                                       f"{str(e)[:300]}") from None
     return conv.format_grammar(), tops
+
+
+_COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties", "minContains",
+           "maxContains")
+
+
+def _precheck(schema: Any, param: str) -> None:
+    """What the converter would turn into an unbounded grammar or a deep recursion, refused before it runs
+    (iteratively, so any nesting gets an answer): nesting past MAX_SCHEMA_DEPTH, more than
+    MAX_SCHEMA_PROPERTIES properties, a length or item count past MAX_REPEAT (each becomes that many
+    nested rules), an enum longer than MAX_CHOICES."""
+    todo: list[tuple[Any, int, str]] = [(schema, 0, "$")]
+    n_props = 0
+    while todo:
+        node, depth, path = todo.pop()
+        if depth > MAX_SCHEMA_DEPTH:
+            raise GrammarError(param, f"the JSON schema nests more than {MAX_SCHEMA_DEPTH} deep (at {path[:80]}…)")
+        if isinstance(node, list):
+            todo += [(v, depth + 1, f"{path}[{i}]") for i, v in enumerate(node) if isinstance(v, (dict, list))]
+            continue
+        if not isinstance(node, dict):
+            continue
+        for k in _COUNTS:
+            v = node.get(k)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                                  or v != int(v) or not 0 <= v <= MAX_REPEAT):
+                raise GrammarError(param, f"{path}.{k} must be a whole number in [0, {MAX_REPEAT}], got {v!r}",
+                                   hint="longer strings or lists: leave the bound out")
+        props = node.get("properties")
+        n_props += len(props) if isinstance(props, dict) else 0
+        if n_props > MAX_SCHEMA_PROPERTIES:
+            raise GrammarError(param, f"the JSON schema has more than {MAX_SCHEMA_PROPERTIES} properties in all: "
+                                      "each is a rule of the grammar, converted with the GIL held")
+        enum = node.get("enum")
+        if isinstance(enum, list) and len(enum) > MAX_CHOICES:
+            raise GrammarError(param, f"{path}.enum has {len(enum)} values: at most {MAX_CHOICES}")
+        for k, v in node.items():
+            if isinstance(v, (dict, list)) and k not in ("enum", "const", "default", "examples"):
+                todo.append((v, depth + 1, f"{path}.{k}"))
 
 
 def unenforced(schema: Any, path: str = "$") -> list[str]:
@@ -389,6 +447,30 @@ class _Converter(N.SchemaConverter):  # type: ignore[misc]
     def __init__(self, *, param: str, strict: bool) -> None:
         super().__init__(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
         self.param, self.strict = param, strict
+        self._same: dict[str, dict[str, str]] = {}  # escaped name -> {rule text: the numbered name it got}
+        self._free: dict[str, int] = {}  # escaped name -> the next number to try
+
+    def _add_rule(self, name: str, rule: str) -> str:
+        """Upstream's, in constant time: names that escape alike (property names of other scripts or of
+        punctuation all become 'a-') get numbers; upstream searched them from 0 for each one (quadratic:
+        a 258 KB schema took 38 s with the GIL held)."""
+        if not len(self._rules) % YIELD_EVERY:
+            time.sleep(0)  # the converter holds the GIL too: give it up now and then (grammar_cost.YIELD_EVERY)
+        esc = N.GRAMMAR_INVALID_CHARS.sub("-", name)
+        if esc not in self._rules or self._rules[esc] == rule:
+            key = esc
+        else:
+            same = self._same.setdefault(esc, {})
+            got = same.get(rule)
+            if got is None:
+                i = self._free.get(esc, 0)
+                while f"{esc}{i}" in self._rules:
+                    i += 1
+                got = same[rule] = f"{esc}{i}"
+                self._free[esc] = i + 1
+            key = got
+        self._rules[key] = rule
+        return key
 
     def visit(self, schema: Any, name: str) -> str:
         if isinstance(schema, bool):
@@ -439,6 +521,6 @@ def union(grammars: Sequence[str]) -> str:
     return "(" + " | ".join(grammars) + ")"
 
 
-__all__ = ["ActiveGrammar", "MAX_CHOICES", "MAX_GRAMMAR_CHARS", "MAX_SCHEMA_CHARS", "Grammar", "choice", "gbnf",
+__all__ = ["ActiveGrammar", "DEFAULT_LIMITS", "GrammarLimits", "MAX_CHOICES", "MAX_GRAMMAR_CHARS", "MAX_SCHEMA_CHARS", "Grammar", "choice", "gbnf",
            "integer_range", "json_object", "json_schema", "number_range", "regex", "schema_rules", "schemas_rules", "union",
            "unenforced"]

@@ -27,7 +27,7 @@ from .kv_guard import KvGuard, may_leave_bad_values, read_bad_values_error
 from .model import Context, Model
 from .phases import Phase, alora_phases
 from .sampling import Completion, SamplingParams, TextAssembler
-from .scoring import SCORE_ROWS, Scoring
+from .scoring import SCORE_ROWS, SCORE_ROWS_SHARED, Scoring
 
 log = logging.getLogger("loramux")
 
@@ -393,7 +393,10 @@ class Scheduler:
                 plan.append((r, b.n - 1))
                 r.n_past += 1
                 r.pending = None
-        rows_left = SCORE_ROWS  # full-vocabulary logit rows that prompt scoring may still take this decode
+        # full-vocabulary logit rows that prompt scoring may still take this decode: fewer while another
+        # request waits on this thread (each row is a pass over the vocabulary; scoring.py)
+        rows_left = SCORE_ROWS_SHARED if any(q.scoring is None or not q.scoring.scores_prompt
+                                             for q in self.running) else SCORE_ROWS
         for r in members:
             if r.n_past >= len(r.prompt) or b.n >= b.capacity:
                 continue

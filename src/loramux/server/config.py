@@ -42,6 +42,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from ..engine.grammar_cost import DEFAULT_LIMITS, GrammarLimits
 from ..engine.options import DEFAULT_ADAPTER_CACHE_BYTES, EngineOptions, bank_size
 from ..engine.runtime import Engine
 from ..errors import LoramuxError, ParameterError
@@ -112,6 +113,16 @@ class ServerSettings:
     control_vectors: tuple[ControlEntry, ...] = ()
     control_vector_layers: str | None = None
     graceful_shutdown_s: float = 30.0
+    # Grammar budgets (engine/grammar_cost.py; docs/structured.md): what a request's grammar may be, and the
+    # engine time its checks may take per token and per request before that request alone fails.
+    grammar_max_optional_run: float = DEFAULT_LIMITS.optional_run
+    grammar_max_alternatives: int = DEFAULT_LIMITS.breadth
+    grammar_max_elements: int = DEFAULT_LIMITS.elements
+    grammar_token_seconds: float = DEFAULT_LIMITS.token_seconds
+    grammar_request_seconds: float = DEFAULT_LIMITS.request_seconds
+    # Tokens one request may have scored (prompt_logprobs/echo and logprobs, over its prompts and
+    # sequences; server/scoring.py): each is a pass over the vocabulary on the engine thread.
+    max_scored_tokens: int = 8192
 
     # ------------------------------------------------------------------ building
     @classmethod
@@ -169,6 +180,7 @@ class ServerSettings:
         if self.threads is not None and self.threads < 1:
             problems.append(f"threads: must be ≥ 1, got {self.threads}")
         problems += self._security_problems()
+        problems += self._budget_problems()
         for d in self.adapter_dirs:
             if not Path(d).expanduser().is_dir():
                 problems.append(f"adapter_dirs: {d} is not a directory")
@@ -206,6 +218,25 @@ class ServerSettings:
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not 0 < v < 1e6:
                 problems.append(f"{name}: must be a positive number of seconds, got {v!r}")
+        return problems
+
+    def grammar_limits(self) -> GrammarLimits:
+        """The budgets every request's grammar is compiled and run under."""
+        return replace(DEFAULT_LIMITS, optional_run=float(self.grammar_max_optional_run),
+                       breadth=self.grammar_max_alternatives, elements=self.grammar_max_elements,
+                       token_seconds=float(self.grammar_token_seconds),
+                       request_seconds=float(self.grammar_request_seconds))
+
+    def _budget_problems(self) -> list[str]:
+        problems = []
+        for name in ("grammar_max_alternatives", "grammar_max_elements", "max_scored_tokens"):
+            v = getattr(self, name)
+            if type(v) is not int or v < 1:
+                problems.append(f"{name}: must be a positive integer, got {v!r}")
+        for name in ("grammar_max_optional_run", "grammar_token_seconds", "grammar_request_seconds"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < 1e6:
+                problems.append(f"{name}: must be a positive number, got {v!r}")
         return problems
 
     def queue_limit(self, parallel: int | None = None) -> int:

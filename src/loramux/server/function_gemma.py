@@ -13,15 +13,19 @@ that mentions `<start_function_call>` selects this format.
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any
 
+from ..engine.grammar import MAX_GRAMMAR_CHARS
+from ..engine.regex_gbnf import MAX_REPEAT
 from ..errors import GrammarError
 
 OPEN, CLOSE, ESCAPE = "<start_function_call>", "<end_function_call>", "<escape>"
 TAG_TEXTS = (OPEN, CLOSE, ESCAPE)  # control tokens rendered as text for requests in this format
 STOP_TEXTS = ("<start_function_response>",)  # where the model hands over to the tool: its output ends there
 MAX_DEPTH = 32  # nesting the reader follows (a deeper reply is not a call)
+GRAMMAR_DEPTH = 12  # nesting the forcing grammar follows; deeper values take any value of the format
 _NUMBER = re.compile(r"-?\d+(\.\d+)?([eE][-+]?\d+)?")
 
 
@@ -139,10 +143,11 @@ def grammar_rules(schemas: dict[str, dict[str, Any]], strict: set[str] | None = 
     ]
     tops: dict[str, str] = {}
     numbers: dict[str, dict[str, Any]] = {}
+    budget = _Budget(sum(len(r) for r in rules))
     for i, (name, schema) in enumerate(schemas.items()):
-        ctx = _Ctx(rules, numbers, name if name in (strict or set()) else None)
+        ctx = _Ctx(rules, numbers, name, name in (strict or set()), budget)
         args = ctx.value(schema, f"fg{i}", 0)
-        rules.append(f'fg{i} ::= {OPEN} "call:{_lit(name)}" {args} {CLOSE}')
+        ctx.add(f"fg{i}", f'{OPEN} "call:{_lit(name)}" {args} {CLOSE}')
         tops[name] = f"fg{i}"
     return "\n".join(rules), tops, numbers
 
@@ -154,19 +159,56 @@ def _lit(s: str) -> str:
 _NUMERIC_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
 
 
-class _Ctx:
-    """One tool's conversion: the rules it appends to, its numeric sub-schemas, whether it is strict."""
+class _Budget:
+    """The characters of the rules built so far, against MAX_GRAMMAR_CHARS: checked as each rule is added,
+    so that no schema can make a grammar larger than the cap before the cap is looked at."""
 
-    def __init__(self, rules: list[str], numbers: dict[str, dict[str, Any]], strict_tool: str | None) -> None:
-        self.rules, self.numbers, self.strict_tool = rules, numbers, strict_tool
+    def __init__(self, used: int) -> None:
+        self.used = used
+
+
+class _Ctx:
+    """One tool's conversion: the rules it appends to, its numeric sub-schemas, whether it is strict.
+
+    Every object, list item and property value goes into a rule of its own, used by reference: the
+    grammar grows with the schema's size, never with its depth (an inlined list item appears twice, so
+    nested lists once doubled the grammar per level)."""
+
+    def __init__(self, rules: list[str], numbers: dict[str, dict[str, Any]], tool: str, strict: bool,
+                 budget: _Budget) -> None:
+        self.rules, self.numbers, self.tool, self.strict, self.budget = rules, numbers, tool, strict, budget
+
+    @property
+    def param(self) -> str:
+        return f"tools ({self.tool})"
+
+    def add(self, name: str, body: str) -> str:
+        """Append the rule `name ::= body` (a GrammarError once the grammar would pass the cap); its name."""
+        self.budget.used += len(name) + len(body) + 6
+        if self.budget.used > MAX_GRAMMAR_CHARS:
+            raise GrammarError(self.param, f"the tools' call grammar would pass {MAX_GRAMMAR_CHARS} characters",
+                               hint="smaller parameter schemas (fewer properties, shallower nesting)")
+        self.rules.append(f"{name} ::= {body}")
+        return name
+
+    def count(self, schema: dict[str, Any], key: str) -> int | None:
+        """A length bound of `schema` (minLength, maxItems, ...): None if absent, else an integer in
+        [0, MAX_REPEAT] (a GrammarError otherwise)."""
+        v = schema.get(key)
+        if v is None:
+            return None
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v in (math.inf, -math.inf) \
+                or v != int(v) or not 0 <= v <= MAX_REPEAT:
+            raise GrammarError(self.param, f"{key} must be a whole number in [0, {MAX_REPEAT}], got {v!r}")
+        return int(v)
 
     def value(self, schema: Any, rule: str, depth: int) -> str:
         """The GBNF expression of one value of `schema` (new rules appended under the prefix `rule`)."""
-        if not isinstance(schema, dict) or depth > MAX_DEPTH:
+        if not isinstance(schema, dict) or depth > GRAMMAR_DEPTH:
             return "fg-any"
         enum = schema.get("enum")
         if isinstance(enum, list) and enum and all(isinstance(v, str) and "<" not in v for v in enum):
-            return "(" + " | ".join(f'{ESCAPE} "{_lit(v)}" {ESCAPE}' for v in enum) + ")"
+            return self.add(f"{rule}-e", " | ".join(f'{ESCAPE} "{_lit(v)}" {ESCAPE}' for v in enum))
         kind = schema.get("type")
         if kind in ("number", "integer"):
             if any(k in schema for k in _NUMERIC_BOUNDS):
@@ -187,43 +229,54 @@ class _Ctx:
 
     def string(self, schema: dict[str, Any]) -> str:
         bad = [k for k in ("pattern", "format") if k in schema]
-        if bad and self.strict_tool is not None:
-            raise GrammarError(f"tools ({self.strict_tool})", f"FunctionGemma's call format cannot enforce "
+        if bad and self.strict:
+            raise GrammarError(self.param, f"FunctionGemma's call format cannot enforce "
                                f"{', '.join(bad)} on a string", hint="drop those keywords, or send strict: false")
-        lo, hi = int(schema.get("minLength", 0)), schema.get("maxLength")
+        lo, hi = self.count(schema, "minLength") or 0, self.count(schema, "maxLength")
         if not lo and hi is None:
             return "fg-str"
-        return f"{ESCAPE} [^<]{{{lo},{'' if hi is None else int(hi)}}} {ESCAPE}"
+        if hi is not None and hi < lo:
+            raise GrammarError(self.param, f"maxLength {hi} is below minLength {lo}")
+        return f"{ESCAPE} [^<]{{{lo},{'' if hi is None else hi}}} {ESCAPE}"
 
     def array(self, schema: dict[str, Any], rule: str, depth: int) -> str:
-        item = self.value(schema.get("items"), f"{rule}-i", depth + 1)
-        lo, hi = int(schema.get("minItems", 0)), schema.get("maxItems")
+        item = self.add(f"{rule}-i", self.value(schema.get("items"), f"{rule}-i", depth + 1))
+        lo, hi = self.count(schema, "minItems") or 0, self.count(schema, "maxItems")
+        if hi is not None and hi < lo:
+            raise GrammarError(self.param, f"maxItems {hi} is below minItems {lo}")
         if not lo and hi is None:
-            return f'"[" ({item} ("," {item})*)? "]"'
-        rest = f'("," {item}){{{max(lo - 1, 0)},{"" if hi is None else max(int(hi) - 1, 0)}}}'
+            return self.add(f"{rule}-a", f'"[" ({item} ("," {item})*)? "]"')
+        if hi == 0:
+            return '"[" "]"'
+        rest = f'("," {item}){{{max(lo - 1, 0)},{"" if hi is None else hi - 1}}}'
         body = f"{item} {rest}" if lo else f"({item} {rest})?"
-        return f'"[" {body} "]"' if hi is None or int(hi) > 0 else '"[" "]"'
+        return self.add(f"{rule}-a", f'"[" {body} "]"')
 
     def obj(self, schema: dict[str, Any], rule: str, depth: int) -> str:
         props = schema.get("properties")
         if not isinstance(props, dict) or not props:
             return '"{" (fg-key ":" fg-any ("," fg-key ":" fg-any)*)? "}"'
-        req = [k for k in schema.get("required", []) if k in props]
+        required = schema.get("required", [])
+        req = [k for k in (required if isinstance(required, list) else []) if isinstance(k, str) and k in props]
+        req = list(dict.fromkeys(req))
         opt = [k for k in props if k not in req]
-        parts = [f'"{_lit(k)}:" {self.value(props[k], f"{rule}-{j}", depth + 1)}' for j, k in enumerate(req + opt)]
+        parts = []
+        for j, k in enumerate(req + opt):
+            ref = self.add(f"{rule}-{j}", self.value(props[k], f"{rule}-{j}", depth + 1))
+            parts.append(f'"{_lit(k)}:" {ref}')
         body = ' "," '.join(parts[:len(req)])
         optional = parts[len(req):]  # each may follow, in the schema's order
         if body:
             body += "".join(f' ("," {p})?' for p in optional)
         elif optional:  # none required: the first one present has no comma before it
-            for j in range(len(optional), 0, -1):
-                after = "".join(f' ("," {p})?' for p in optional[j:])
-                self.rules.append(f"{rule}-f{j - 1} ::= {optional[j - 1]}{after}"
-                                  + (f" | {rule}-f{j}" if j < len(optional) else ""))
+            n = len(optional)
+            for j in range(n - 1, 0, -1):  # t{j}: what may follow once optional[j - 1] is written
+                self.add(f"{rule}-t{j}", f'("," {optional[j]})?' + (f" {rule}-t{j + 1}" if j + 1 < n else ""))
+            for j in range(n - 1, -1, -1):
+                after = f" {rule}-t{j + 1}" if j + 1 < n else ""
+                self.add(f"{rule}-f{j}", f"{optional[j]}{after}" + (f" | {rule}-f{j + 1}" if j + 1 < n else ""))
             body = f"({rule}-f0)?"
-        name = f"{rule}-o"
-        self.rules.append(f'{name} ::= "{{" {body} "}}"')
-        return name
+        return self.add(f"{rule}-o", f'"{{" {body} "}}"')
 
 
 __all__ = ["CLOSE", "ESCAPE", "OPEN", "STOP_TEXTS", "TAG_TEXTS", "grammar_rules", "parse"]

@@ -128,7 +128,7 @@ def constraint(state: ServerState, body: SamplingFields, plan: ToolPlan | None) 
             raise GrammarError("tools", "tools cannot be combined with this output constraint (only with "
                                         "response_format json_schema); send tool_choice none or drop one")
         g = plan.grammar(schema, strict)
-    return g.compile(state.engine.model) if g is not None else None
+    return g.compile(state.engine.model, state.settings.grammar_limits()) if g is not None else None
 
 
 async def prompt_tokens(state: ServerState, body: CompletionRequest | ChatRequest) -> list[int]:

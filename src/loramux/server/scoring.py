@@ -10,6 +10,7 @@ OpenAI's legacy completions `logprobs` object (`tokens`, `token_logprobs`, `top_
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request as HTTPRequest
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from ..engine.sampling import Completion
 from ..engine.scoring import TokenLogprob
@@ -27,6 +28,8 @@ from .generation import Job
 from .schemas import ChatRequest, CompletionRequest
 from .state import ServerState, Ticket
 from .tools import parse_calls
+
+YIELD_EVERY = 64  # entries rendered between two hand-overs of the GIL (each has up to 21 alternatives)
 
 
 def handles(body: CompletionRequest | ChatRequest) -> bool:
@@ -78,6 +81,7 @@ class Group:
     prompts: list[list[int]] = field(default_factory=list)
     prompt_texts: list[str] = field(default_factory=list)
     jobs: list[Job] = field(default_factory=list)
+    extra_tickets: list[Ticket] = field(default_factory=list)  # its sequences' weight in the queue bound
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
     closed: bool = False
@@ -99,6 +103,8 @@ class Group:
         for j, c in zip(self.jobs, completions or [None] * len(self.jobs)):
             j.finish(status, c, record=False)
         self.ticket.release()
+        for t in self.extra_tickets:
+            t.release()
         if not record:
             return
         first = [j.request.first_token_at for j in self.jobs if j.request is not None and j.request.first_token_at]
@@ -131,6 +137,7 @@ async def _start(state: ServerState, body: CompletionRequest | ChatRequest, chat
     try:
         subs = [body] if chat else [body.model_copy(update={"prompt": p}) for p in body.prompt_list()]
         plan = None
+        _weigh(group, len(subs) * per)
         for sub in subs:
             if isinstance(sub, ChatRequest):  # the tool plan too: each sequence reads its own calls
                 toks, plan = await asyncio.to_thread(generation.chat_prompt, state, sub)
@@ -141,6 +148,7 @@ async def _start(state: ServerState, body: CompletionRequest | ChatRequest, chat
             group.prompt_texts.append(p if isinstance(p, str) else await asyncio.to_thread(
                 state.engine.detokenize, group.prompts[-1]))
         k_prompt, k_gen = _wanted(body)
+        _check_scored(group, k_prompt, k_gen)
         for sub, toks in zip(subs, group.prompts):
             for j in range(per):
                 extra: dict[str, Any] = {"logprobs": k_gen, "prompt_logprobs": k_prompt}
@@ -157,6 +165,37 @@ async def _start(state: ServerState, body: CompletionRequest | ChatRequest, chat
     return group
 
 
+def _weigh(group: Group, sequences: int) -> None:
+    """Take a queue ticket per sequence beyond the first (a 429 when the queue cannot hold them), up to
+    half the queue bound: one request of 128 sequences is not one request's work."""
+    state = group.state
+    weight = min(sequences, max(1, state.settings.queue_limit(state.engine.n_parallel) // 2))
+    for _ in range(weight - 1):
+        group.extra_tickets.append(state.admit())
+
+
+def _check_scored(group: Group, k_prompt: int | None, k_gen: int | None) -> None:
+    """Refuse (400) a request whose scored tokens, each a pass over the vocabulary on the engine thread
+    and an entry of the response, would pass `max_scored_tokens`: prompt tokens when prompt logprobs
+    are wanted, up to max_tokens generated tokens when their logprobs are, per sequence."""
+    n_ctx, per = group.state.engine.n_ctx, group.per_prompt
+    scored = 0
+    for toks in group.prompts:
+        if k_prompt is not None:
+            scored += per * len(toks)
+        if k_gen is not None:
+            room = max(0, n_ctx - len(toks))
+            asked = group.body.max_tokens
+            scored += per * (room if asked is None else min(asked, room))
+    limit = group.state.settings.max_scored_tokens
+    if scored > limit:
+        param = "prompt_logprobs" if k_prompt is not None else "logprobs"
+        raise APIError(400, f"this request would score {scored} tokens (prompt and generated tokens with "
+                            f"logprobs, over all its prompts and sequences): at most {limit} "
+                            "(max_scored_tokens); split it, or send a smaller max_tokens, n or best_of",
+                       code="scoring_budget_exceeded", param=param)
+
+
 async def respond(state: ServerState, http: HTTPRequest, body: CompletionRequest | ChatRequest,
                   chat: bool) -> Response:
     """Serve one scoring or fan-out request, as JSON or as SSE."""
@@ -165,14 +204,21 @@ async def respond(state: ServerState, http: HTTPRequest, body: CompletionRequest
     if body.stream:
         return _GroupStream(group)
     result = await _collect(group, http)
-    return JSONResponse(result) if result is not None else Response(status_code=499)
+    return Response(result, media_type="application/json") if result is not None else Response(status_code=499)
 
 
-async def _collect(group: Group, http: HTTPRequest) -> dict[str, Any] | None:
+async def _collect(group: Group, http: HTTPRequest) -> bytes | None:
+    """The whole response body, built and rendered off the event loop (it can hold max_scored_tokens
+    entries with 20 alternatives each: megabytes of JSON)."""
     completions = await generation.finished(group, asyncio.gather(*(generation.drain(j) for j in group.jobs)), http)
     if completions is None:
         return None
-    return await asyncio.to_thread(_full_body, group, completions, Pieces(group.state))
+    return await asyncio.to_thread(_render, group, completions)
+
+
+def _render(group: Group, completions: list[Completion]) -> bytes:
+    body = _full_body(group, completions, Pieces(group.state))
+    return json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
 
 
 def _choices(group: Group, completions: list[Completion]) -> list[tuple[int, int, Completion]]:
@@ -241,7 +287,9 @@ def _legacy_logprobs(c: Completion, pieces: Pieces, body: CompletionRequest, pro
 def legacy_entries(entries: list[TokenLogprob], pieces: Pieces, top_n: int, offset: int) -> dict[str, Any]:
     """OpenAI's legacy `logprobs` object; each top_logprobs dict holds the top N and the chosen token."""
     out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for e in entries:
+    for i, e in enumerate(entries):
+        if i and not i % YIELD_EVERY:
+            time.sleep(0)  # hand the GIL to the engine thread now and then (a worker thread renders this)
         out["tokens"].append(pieces.text(e.token))
         out["token_logprobs"].append(e.logprob)
         out["text_offset"].append(offset)
@@ -277,7 +325,9 @@ def _vllm_prompt_logprobs(entries: list[TokenLogprob], pieces: Pieces, top_n: in
     """vLLM's `prompt_logprobs`: None for the first token, then {token id: {logprob, rank, decoded_token}}
     with the prompt's own token and the top N."""
     out: list[Any] = []
-    for e in entries:
+    for i, e in enumerate(entries):
+        if i and not i % YIELD_EVERY:
+            time.sleep(0)
         if e.logprob is None:
             out.append(None)
             continue
@@ -293,8 +343,6 @@ def _vllm_prompt_logprobs(entries: list[TokenLogprob], pieces: Pieces, top_n: in
 # ----------------------------------------------------------------------------------------------
 
 def _sse(obj: Any) -> str:
-    import json
-
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 

@@ -22,6 +22,8 @@ def _schema(value: Any, param: str) -> Any:
             return json.loads(value)
         except ValueError:
             raise GrammarError(param, "is not valid JSON") from None
+        except RecursionError:
+            raise GrammarError(param, "the JSON schema nests too deep") from None
     return value
 
 
