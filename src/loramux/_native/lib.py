@@ -15,12 +15,6 @@ from typing import Any
 from ..errors import BackendError
 
 PINNED_VERSION = "0.3.36"
-# llama.cpp's OpenMP worker threads spin between graph computes by default (OMP_WAIT_POLICY=ACTIVE). On
-# cores shared with anything else (a desktop, a CI runner, a server beside other jobs) that spinning takes
-# the cores the next decode needs: on 2 busy cores Gemma 3 270M decoded at 227 ms a token spinning against
-# 42 ms waiting passively (benchmarks/first_use.py, BENCHMARKS.md). Passive waiting costs one wake-up per
-# decode. It must be set before libgomp starts (the import below); a user's own setting wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 try:
     import llama_cpp
