@@ -345,7 +345,11 @@ class Run:
         return argv
 
     def stop_services(self, address: tuple[str, int] | None = None) -> None:
-        for s in [s for s in self.services if address is None or s.address == address]:
+        """Stop every server (or the one at `address`, and the servers that use it as an RPC worker)."""
+        def uses(s: Service) -> bool:
+            return address is None or s.address == address or (
+                "--rpc" in s.proc.args and f"{address[0]}:{address[1]}" in s.proc.args[s.proc.args.index("--rpc") + 1])
+        for s in [s for s in self.services if uses(s)]:
             s.stop()
             self.services.remove(s)
 
