@@ -376,7 +376,10 @@ def _service_address(argv: list[str], cwd: Path) -> tuple[str, int] | None:
 
 def _start(run: Run, command: str, argv: list[str], case: Case, address: tuple[str, int]) -> Service:
     run.stop_services(address)
-    assert not _listens(address), f"`{command}`: {address[0]}:{address[1]} is taken by another program"
+    deadline = time.monotonic() + 120  # a stopped server's helpers (Ray's proxy actor) may hold it a while
+    while _listens(address):
+        assert time.monotonic() < deadline, f"`{command}`: {address[0]}:{address[1]} is taken by another program"
+        time.sleep(0.5)
     for endpoint in argv[argv.index("--rpc") + 1].split(",") if "--rpc" in argv else ():
         host, port = endpoint.rsplit(":", 1)
         if not any(s.address == (host, int(port)) for s in run.services):  # the page's other worker host
