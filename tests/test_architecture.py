@@ -141,3 +141,21 @@ def test_only_native_touches_ctypes():
                 if "_native" not in p.relative_to(ROOT).parts[:1]:  # the files of the _native package
                     offenders.append(str(p.relative_to(ROOT)))
     assert offenders == []
+
+
+def _mapped_modules() -> list[str]:
+    """The module paths of docs/architecture.md's "Every module" table, in the order listed."""
+    text = (ROOT.parents[1] / "docs" / "architecture.md").read_text(encoding="utf-8")
+    section = text.split("## Every module", 1)[1].split("\n## ", 1)[0]
+    return [line.split("`")[1] for line in section.splitlines() if line.startswith("| `")]
+
+
+def test_every_module_is_on_the_map_and_nothing_else():
+    """docs/architecture.md lists each module of the package once, and no module that is gone."""
+    mapped = _mapped_modules()
+    present = {str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py")}
+    assert len(mapped) == len(set(mapped)), "a module is listed twice in docs/architecture.md"
+    missing = sorted(present - set(mapped))
+    gone = sorted(set(mapped) - present)
+    assert not missing, f"add these to docs/architecture.md's 'Every module' table: {missing}"
+    assert not gone, f"these are listed in docs/architecture.md but no longer exist: {gone}"
