@@ -110,7 +110,8 @@ CASES = {"regex": regexes, "gbnf": gbnfs, "schema": schemas, "tool": tool_schema
 def build(kind: str, spec: Any) -> Any:
     """The Grammar a request with this constraint would be given (see the module docstring)."""
     from loramux.engine import grammar as G
-    from loramux.server import function_gemma as fg
+    from loramux.server import tool_formats
+    from loramux.server.schemas import Tool
 
     if kind == "regex":
         return G.regex(spec, "guided_regex")
@@ -118,11 +119,9 @@ def build(kind: str, spec: Any) -> Any:
         return G.gbnf(spec, "grammar")
     if kind == "schema":
         return G.json_schema(spec, param="response_format", strict=False)
-    rules, tops, numbers = fg.grammar_rules({"f": spec})  # FunctionGemma's call grammar, as tools.py builds it
-    num_rules, num_tops = G.schemas_rules(numbers, param="tools", strict=False)
-    for key in numbers:
-        rules = rules.replace(f"@{key}@", num_tops[key])
-    return G.Grammar(num_rules + "\n" + rules + f"\nroot ::= {tops['f']}\n", "tools")
+    tool = Tool.model_validate({"type": "function", "function": {"name": "f", "parameters": spec}})
+    # FunctionGemma's call grammar, as a forced call (tool_choice required) gets it
+    return tool_formats.forcing_grammar(tool_formats.FORMATS["function_gemma"], [tool], parallel=False)
 
 
 def run_case(engine: Any, kind: str, spec: Any, seed: int) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from test_tools import FG_TAGS, FUNCTION_GEMMA
 from loramux import _native as N
 from loramux.engine import grammar as G
 from loramux.errors import BackendError, GrammarError
-from loramux.server import function_gemma as fg
+from loramux.server.tool_formats import function_gemma as fg
 
 EXAMPLES = int(os.environ.get("LORAMUX_FUZZ_EXAMPLES", "12"))
 CPU_PER_CASE_S = float(os.environ.get("LORAMUX_FUZZ_CPU_S", "10"))  # a case's CPU allowance in the worker

@@ -13,7 +13,7 @@ from tinymodel import write_tiny_model
 
 from loramux.engine.chat import ChatTemplate
 from loramux.errors import GrammarError
-from loramux.server import function_gemma as fg
+from loramux.server.tool_formats import function_gemma as fg
 from loramux.server.tools import ToolPlan, parse_calls
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6},
@@ -179,7 +179,7 @@ def test_fallback_prompt_describes_tools(tiny_model):
     body = ChatRequest(messages=[{"role": "system", "content": "Be kind."}, {"role": "user", "content": "hi"}],
                        tools=TOOLS)
     plan = ToolPlan.from_request(body, tmpl)
-    assert plan is not None and plan.fmt == "generic" and plan.choice == "auto"
+    assert plan is not None and plan.fmt.name == "generic" and plan.choice == "auto"
     msgs = plan.messages(body.message_dicts(), tmpl)
     assert msgs[0]["content"].startswith("Be kind.\n\nYou can call these tools") and "get_weather" in msgs[0]["content"]
     assert plan.grammar(None, False) is None  # auto without a response schema: parsed, not forced
@@ -288,7 +288,7 @@ def test_function_gemma_grammar_and_stream_hold_back():
     tmpl = ChatTemplate(FUNCTION_GEMMA, "fgemma")
     body = ChatRequest(messages=[{"role": "user", "content": "x"}], tools=TOOLS)
     plan = ToolPlan.from_request(body, tmpl)
-    assert plan is not None and plan.fmt == "function_gemma"
+    assert plan is not None and plan.fmt.name == "function_gemma"
     assert plan.engine_args(lambda t: [len(t)]) == {"shown": [len(t) for t in fg.TAG_TEXTS],
                                                     "stop_tokens": [len("<start_function_response>")]}
     assert ToolPlan.from_request(body, ChatTemplate(HERMES, "hermes")).engine_args(lambda t: [1]) == {}
@@ -299,7 +299,7 @@ def test_function_gemma_grammar_and_stream_hold_back():
     rules, tops, numbers = fg.grammar_rules({"f": {"type": "object", "properties": {
         "a": {"type": "string", "pattern": "x+"}, "b": {"type": "integer", "maximum": 7}}}})
     assert tops == {"f": "fg0"} and "fg0-o ::= \"{\" (fg0-f0)? \"}\"" in rules  # neither is required
-    assert numbers == {"fgnum0": {"type": "integer", "maximum": 7}} and "@fgnum0@" in rules
+    assert numbers == {"fgnum0": {"type": "integer", "maximum": 7}} and fg.number_ref("fgnum0") in rules
     with pytest.raises(GrammarError) as err:  # a strict tool: what the format cannot enforce is refused
         fg.grammar_rules({"f": {"type": "object", "properties": {"a": {"type": "string", "pattern": "x+"}}}}, {"f"})
     assert err.value.parameter == "tools (f)" and "pattern" in str(err.value)

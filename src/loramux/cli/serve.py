@@ -96,6 +96,9 @@ def add_parsers(sub: Any) -> None:
                    help="control vector requests may choose by name with a strength (repeatable)")
     p.add_argument("--control-vector-layers", default=None, metavar="A-B",
                    help="layers the control vectors apply to (inclusive, 1-based; default all)")
+    p.add_argument("--tool-format", default=None, metavar="NAME",
+                   help="the tool-call format of every chat: auto (default: what the chat template writes), "
+                        "generic, hermes or function_gemma (docs/server.md, Tool calling)")
     p.add_argument("--max-body-bytes", type=int, default=None, help="largest request body (default 1 MiB)")
     p.set_defaults(func=cmd_serve)
 
@@ -188,7 +191,7 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         served_model_name=args.served_model_name, max_body_bytes=args.max_body_bytes,
         loras=tuple(base.loras) + tuple(loras) if loras else None,
         control_vectors=tuple(base.control_vectors) + tuple(cvs) if cvs else None,
-        control_vector_layers=args.control_vector_layers)
+        control_vector_layers=args.control_vector_layers, tool_format=args.tool_format)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

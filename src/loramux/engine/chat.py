@@ -100,14 +100,19 @@ class ChatTemplate:
         return cls(FALLBACK_TEMPLATES[fam], f"loramux's {fam} fallback template")
 
     @property
+    def capabilities(self) -> TemplateCapabilities:
+        """What the template does with tools, found by rendering test conversations (cached per source)."""
+        return _capabilities(self.source)
+
+    @property
     def handles_tools(self) -> bool:
         """Whether the template itself renders a `tools` list (else tools.py describes them in a message)."""
-        return "tools" in self.source
+        return self.capabilities.tools
 
     @property
     def handles_tool_calls(self) -> bool:
         """Whether the template renders assistant `tool_calls` and `tool` messages itself."""
-        return "tool_calls" in self.source
+        return self.capabilities.tool_calls
 
     def render(self, messages: Sequence[Mapping[str, Any]], *, bos_token: str = "", eos_token: str = "",
                add_generation_prompt: bool = True, continue_final_message: bool = False,
@@ -141,6 +146,45 @@ class ChatTemplate:
         if continue_final_message:
             text = _cut_after(text, str(messages[-1]["content"]))
         return text
+
+
+@dataclass(frozen=True)
+class TemplateCapabilities:
+    """What a chat template does with tools, read off its output for test conversations (as llama.cpp's
+    chat-template detection does), not off the words in its source: a template that only mentions `tools` in
+    a comment does not render them.
+
+    `tools`: a `tools` list passed to it shows up in the prompt. `tool_calls`: an assistant message's
+    `tool_calls` show up. `call_text`: the prompt of a conversation ending in one such call ('' when the
+    template fails on it), where the tool-call formats look for their markers."""
+
+    tools: bool
+    tool_calls: bool
+    call_text: str
+
+
+PROBE_TOOL = "loramux_probe_tool"
+_PROBE_TOOLS = [{"type": "function", "function": {"name": PROBE_TOOL, "description": "probe",
+                                                  "parameters": {"type": "object", "properties": {}}}}]
+_PROBE_CALL = [{"role": "user", "content": "probe"},
+               {"role": "assistant", "content": "", "tool_calls": [{
+                   "id": "call_probe", "type": "function",
+                   "function": {"name": PROBE_TOOL, "arguments": {"q": "probe"}}}]}]
+
+
+@functools.lru_cache(maxsize=32)
+def _capabilities(source: str) -> TemplateCapabilities:
+    template = ChatTemplate(source, "the probe")
+
+    def rendered(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
+        try:
+            return template.render(messages, add_generation_prompt=False, tools=tools)
+        except (ChatTemplateError, ParameterError):
+            return ""  # a template that refuses the test conversation cannot take it from a client either
+    with_tools = rendered([{"role": "user", "content": "probe"}], _PROBE_TOOLS)
+    call_text = rendered(_PROBE_CALL, None)
+    return TemplateCapabilities(tools=PROBE_TOOL in with_tools, tool_calls=PROBE_TOOL in call_text,
+                                call_text=call_text)
 
 
 def _cut_after(text: str, final: str) -> str:
@@ -205,5 +249,6 @@ def tokenize_chat(model: Model, text: str, user_texts: Sequence[str]) -> list[in
     return out
 
 
-__all__ = ["CHATML_FALLBACK", "FALLBACK_TEMPLATES", "GEMMA_FALLBACK", "ChatTemplate", "fallback_template",
+__all__ = ["CHATML_FALLBACK", "FALLBACK_TEMPLATES", "GEMMA_FALLBACK", "ChatTemplate", "TemplateCapabilities",
+           "fallback_template",
            "special_texts", "tokenize_chat", "user_strings"]

@@ -76,6 +76,13 @@ class ControlEntry:
     layers: str | None = None  # "A-B", 1-based inclusive
 
 
+def _tool_format_problems(name: str) -> list[str]:
+    from .tool_formats import names
+
+    known = ["auto", *names()]
+    return [] if name in known else [f"tool_format: {name!r} is not one of {', '.join(known)}"]
+
+
 @dataclass(frozen=True)
 class ServerSettings:
     """Everything `loramux serve` needs. Build with `from_toml` and/or keyword arguments."""
@@ -123,6 +130,8 @@ class ServerSettings:
     # Tokens one request may have scored (prompt_logprobs/echo and logprobs, over its prompts and
     # sequences; server/scoring.py): each is a pass over the vocabulary on the engine thread.
     max_scored_tokens: int = 8192
+    # The tool-call format of every chat (server/tool_formats): 'auto' reads it off the chat template.
+    tool_format: str = "auto"
 
     # ------------------------------------------------------------------ building
     @classmethod
@@ -181,6 +190,7 @@ class ServerSettings:
             problems.append(f"threads: must be ≥ 1, got {self.threads}")
         problems += self._security_problems()
         problems += self._budget_problems()
+        problems += _tool_format_problems(self.tool_format)
         for d in self.adapter_dirs:
             if not Path(d).expanduser().is_dir():
                 problems.append(f"adapter_dirs: {d} is not a directory")

@@ -109,7 +109,7 @@ def chat_prompt(state: ServerState, body: ChatRequest) -> tuple[list[int], ToolP
     except ValueError as e:
         raise APIError(400, str(e), code="invalid_request", param="messages") from None
     template = eng.chat_template()
-    plan = ToolPlan.from_request(body, template)
+    plan = ToolPlan.from_request(body, template, state.settings.tool_format)
     messages = plan.messages(messages, template) if plan is not None else history(messages, template)
     add = body.add_generation_prompt
     options: dict[str, Any] = {"continue_final_message": body.continue_final_message,

@@ -1,39 +1,34 @@
 """Tool calling: tools into the prompt, forced calls by grammar, calls parsed out of the output.
 
-Two output formats, picked by the chat template:
-- **hermes** (the template itself mentions `<tool_call>`: Qwen 2.5/3, Hermes, many fine-tunes): each call is
-  `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, and the template renders `tools`.
+The output formats are modules of `tool_formats/` behind one interface, picked per chat template by what it
+renders (or by `--tool-format`):
+- **hermes** (Qwen 2.5/3, Hermes, many fine-tunes): `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`.
+- **function_gemma** (FunctionGemma): `<start_function_call>call:NAME{key:<escape>text<escape>,...}
+  <end_function_call>`; its control tags are shown in the output text of such requests.
 - **generic** (llama.cpp's generic format, for every other template, the Gemma and ChatML fallbacks
-  included): the reply is the JSON `{"tool_calls": [{"name": ..., "arguments": {...}}]}`; the tools and
-  this instruction go into the system message (folded into the first user turn on Gemma).
+  included): the reply is the JSON `{"tool_calls": [{"name": ..., "arguments": {...}}]}`.
 
-- **function_gemma** (the template mentions `<start_function_call>`: FunctionGemma, the Gemma 3 270M
-  function-calling model): `<start_function_call>call:NAME{key:<escape>text<escape>,...}<end_function_call>`
-  (see function_gemma.py); its control tags are shown in the output text of such requests.
-
-Parsing (`tool_choice` auto) also recognises `{"tool_call": {...}}`, a bare `{"name": ..., "arguments" |
-"parameters": ...}` (Llama 3.x) and Mistral's `[TOOL_CALLS][...]`. `required` and a named function are forced
-by a grammar built from the tools' parameter schemas (`engine.grammar`); with `response_format` and `auto`
-the grammar allows either the answer or a tool call.
+A template that does not render `tools` itself gets them, with the generic format's instruction, in the
+system message (folded into the first user turn on Gemma). Parsing (`tool_choice` auto) tries every format
+(and the other JSON shapes models write: Llama 3.x's bare call, Mistral's `[TOOL_CALLS]`). `required` and a
+named function are forced by the format's grammar over the tools' parameter schemas (`engine.grammar`); with
+`response_format` and `auto` the grammar allows either the answer or a tool call.
 """
 
 from __future__ import annotations
 
 import json
-import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..engine.chat import ChatTemplate
-from ..engine.grammar import Grammar, schemas_rules, unenforced
+from ..engine.grammar import Grammar, unenforced
 from ..errors import GrammarError
-from . import function_gemma as fg
+from . import tool_formats
 from .schemas import ChatRequest, Tool
+from .tool_formats import ToolFormat, parse_calls
 
-HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
-MISTRAL_TAG = "[TOOL_CALLS]"
-MAX_PARALLEL = 4  # calls a forced grammar allows in one reply (parallel_tool_calls)
 GENERIC_INSTRUCTIONS = (
     "You can call these tools (JSON schemas of their parameters):\n{tools}\n\n"
     "To call one or more tools, reply with only this JSON and nothing else: "
@@ -42,11 +37,9 @@ GENERIC_INSTRUCTIONS = (
 )
 
 
-def tool_format(template: ChatTemplate) -> str:
-    """'function_gemma', 'hermes' or 'generic' (see the module docstring)."""
-    if fg.OPEN in template.source:
-        return "function_gemma"
-    return "hermes" if HERMES_OPEN in template.source else "generic"
+def tool_format(template: ChatTemplate, override: str | None = None) -> str:
+    """The name of the template's tool-call format (see tool_formats)."""
+    return tool_formats.detect(template, override).name
 
 
 @dataclass
@@ -57,11 +50,13 @@ class ToolPlan:
     choice: str  # "auto" | "required" | "named"
     named: str | None
     parallel: bool
-    fmt: str
+    fmt: ToolFormat
 
     @classmethod
-    def from_request(cls, body: ChatRequest, template: ChatTemplate) -> ToolPlan | None:
-        """None when the request has no tools or tool_choice is none (the tools are then left out)."""
+    def from_request(cls, body: ChatRequest, template: ChatTemplate, tool_format: str | None = None
+                     ) -> ToolPlan | None:
+        """None when the request has no tools or tool_choice is none (the tools are then left out).
+        `tool_format`: the server's --tool-format (None or 'auto': the template's own)."""
         tc = body.tool_choice
         if not body.tools or tc == "none":
             return None
@@ -76,7 +71,7 @@ class ToolPlan:
                                                   f"({', '.join(names)})")
         choice = "named" if named else (tc or "auto")
         parallel = body.parallel_tool_calls is not False and named is None
-        return cls(list(body.tools), choice, named, parallel, tool_format(template))
+        return cls(list(body.tools), choice, named, parallel, tool_formats.detect(template, tool_format))
 
     # -- prompt --------------------------------------------------------------------------------
     def template_tools(self) -> list[dict[str, Any]]:
@@ -102,55 +97,21 @@ class ToolPlan:
         if self.choice == "auto" and answer_schema is None:
             return None
         tools = [t for t in self.tools if self.named in (None, t.function.name)]
-        schemas: dict[str, Any] = {}
-        for i, t in enumerate(tools):
-            schemas[f"call{i}"] = {"type": "object", "properties": {
-                "name": {"const": t.function.name},
-                "arguments": t.function.parameters or {"type": "object"}}, "required": ["name", "arguments"]}
-        if self.choice == "auto":
-            schemas["answer"] = answer_schema
         # strictness is per schema: each tool's own `strict`, the response format's for the answer
         for t in tools:
             if t.function.strict:
                 _check_strict(t.function.parameters or {}, f"tools ({t.function.name})")
-        if strict and answer_schema is not None and self.choice == "auto":
-            _check_strict(answer_schema, "response_format")
-        if self.fmt == "function_gemma":  # numbers are written alike: the JSON converter's rules serve both
-            fg_rules, fg_tops, numbers = fg.grammar_rules(
-                {t.function.name: t.function.parameters or {"type": "object"} for t in tools},
-                {t.function.name for t in tools if t.function.strict})
-            schemas = {k: v for k, v in schemas.items() if k == "answer"} | numbers
-        rules, tops = schemas_rules(schemas, param="tools", strict=False)
-        if self.fmt == "function_gemma":
-            for key in numbers:
-                fg_rules = fg_rules.replace(f"@{key}@", tops[key])
-            rules += "\n" + fg_rules
-            call = "(" + " | ".join(fg_tops.values()) + ")"
-            calls = f"{call}{{1,{MAX_PARALLEL}}}" if self.parallel else call
-        elif self.fmt == "hermes":
-            call = "(" + " | ".join(tops[f"call{i}"] for i in range(len(tools))) + ")"
-            one = f'"{HERMES_OPEN}\\n" {call} "\\n{HERMES_CLOSE}"'
-            calls = f'{one} ("\\n" {one}){{0,{MAX_PARALLEL - 1}}}' if self.parallel else one
-        else:
-            call = "(" + " | ".join(tops[f"call{i}"] for i in range(len(tools))) + ")"
-            many = f'{call} ("," space {call}){{0,{MAX_PARALLEL - 1}}}' if self.parallel else call
-            calls = f'"{{" space "\\"tool_calls\\"" space ":" space "[" space {many} "]" space "}}" space'
-        root = f"{calls} | {tops['answer']}" if "answer" in tops else calls
-        return Grammar(rules + f"\ntoolcalls ::= {calls}\nroot ::= {root}\n", "tools")
+        answer = answer_schema if self.choice == "auto" else None
+        if strict and answer is not None:
+            _check_strict(answer, "response_format")
+        return tool_formats.forcing_grammar(self.fmt, tools, parallel=self.parallel, answer_schema=answer)
 
     def stream(self) -> ToolStream:
         return ToolStream(self)
 
     def engine_args(self, tokenize: Callable[[str], list[int]]) -> dict[str, list[int]]:
-        """Engine.submit's `shown` (control tokens whose text the output must keep for this format to be
-        read: its tags) and `stop_tokens` (where the format hands over to the tool), as token ids."""
-        if self.fmt != "function_gemma":
-            return {}
-
-        def ids(texts: Sequence[str]) -> list[int]:
-            got = [tokenize(t) for t in texts]
-            return [i[0] for i in got if len(i) == 1]
-        return {"shown": ids(fg.TAG_TEXTS), "stop_tokens": ids(fg.STOP_TEXTS)}
+        """Engine.submit's `shown` and `stop_tokens` for this format (tool_formats.base.ToolFormat)."""
+        return self.fmt.engine_args(tokenize)
 
 
 def _check_strict(schema: Any, param: str) -> None:
@@ -193,73 +154,6 @@ def _as_object(arguments: Any) -> Any:
     return arguments
 
 
-# ------------------------------------------------------------------------------ reading the output
-
-def _call(name: Any, arguments: Any) -> dict[str, Any] | None:
-    if not isinstance(name, str) or not name:
-        return None
-    args = arguments if isinstance(arguments, str) else json.dumps(
-        arguments if arguments is not None else {}, ensure_ascii=False)
-    return {"id": "call_" + secrets.token_hex(12), "type": "function", "function": {"name": name, "arguments": args}}
-
-
-def _from_json(obj: Any) -> list[dict[str, Any]] | None:
-    if isinstance(obj, list):
-        calls = [_from_json(o) for o in obj]
-        return [c for cs in calls if cs for c in cs] if all(calls) and calls else None
-    if not isinstance(obj, dict):
-        return None
-    if isinstance(obj.get("tool_calls"), list):
-        return _from_json(obj["tool_calls"])
-    if isinstance(obj.get("tool_call"), dict):
-        return _from_json(obj["tool_call"])
-    if isinstance(obj.get("function"), dict):
-        return _from_json(obj["function"])
-    if "name" in obj and ("arguments" in obj or "parameters" in obj):
-        c = _call(obj["name"], obj.get("arguments", obj.get("parameters")))
-        return [c] if c else None
-    return None
-
-
-def parse_calls(text: str, known: Sequence[str]) -> tuple[str, list[dict[str, Any]]]:
-    """(content left, tool calls) from a model's output; calls to unknown tools are not calls."""
-    def ok(calls: list[dict[str, Any]] | None) -> bool:
-        return bool(calls) and all(c["function"]["name"] in known for c in calls or ())
-    s = text.strip()
-    if fg.OPEN in s:
-        got = fg.parse(s)
-        fcalls = [c for c in (_call(n, a) for n, a in got[1]) if c] if got else []
-        return (got[0], fcalls) if got and len(fcalls) == len(got[1]) and ok(fcalls) else (text, [])
-    if HERMES_OPEN in s:
-        head, _, rest = s.partition(HERMES_OPEN)
-        calls: list[dict[str, Any]] = []
-        for chunk in (HERMES_OPEN + rest).split(HERMES_OPEN)[1:]:
-            body = chunk.split(HERMES_CLOSE, 1)[0].strip()
-            try:
-                got = _from_json(json.loads(body))
-            except ValueError:
-                got = None
-            if not got:
-                return text, []
-            calls += got
-        return (head.strip(), calls) if ok(calls) else (text, [])
-    if s.startswith(MISTRAL_TAG):
-        s = s[len(MISTRAL_TAG):].strip()
-    if s.startswith("```"):
-        s = s.strip("`").removeprefix("json").strip()
-    if s[:1] in "{[":
-        try:
-            got = _from_json(json.loads(s))
-        except ValueError:
-            got = None
-        if ok(got):
-            return "", got or []
-    return text, []
-
-
-_STARTS = ("{", "[", MISTRAL_TAG, HERMES_OPEN, "```", fg.OPEN)
-
-
 @dataclass
 class ToolStream:
     """Streams content while it cannot be a tool call; holds back what could be one, parsed at the end."""
@@ -276,14 +170,14 @@ class ToolStream:
             return ""
         if not self.streaming:
             s = self.held.lstrip()
-            if not s or any(x.startswith(s[:len(x)]) for x in _STARTS):
+            if not s or any(x.startswith(s[:len(x)]) for x in tool_formats.call_starts()):
                 return ""
             self.streaming = True
-        tag = fg.OPEN if self.plan.fmt == "function_gemma" else HERMES_OPEN
-        if tag in self.held:
+        tags = tool_formats.inline_tags(self.plan.fmt)
+        if any(tag in self.held for tag in tags):
             return ""  # a call began mid-text: the rest is read at the end
-        keep = next((k for k in range(min(len(tag) - 1, len(self.held)), 0, -1)
-                     if tag.startswith(self.held[-k:])), 0)
+        keep = max((k for tag in tags for k in range(min(len(tag) - 1, len(self.held)), 0, -1)
+                    if tag.startswith(self.held[-k:])), default=0)
         out, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
         self.sent.append(out)
         return out

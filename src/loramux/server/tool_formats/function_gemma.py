@@ -7,7 +7,7 @@ calls. Values: strings between two `<escape>` tokens (so no character inside nee
 `<escape>` are control tokens: the server shows them in the text of such requests (`TAG_TEXTS`) so that
 this module can read them. After its calls the model would go on with `<start_function_response>`, the
 tool's part: generation stops there (FunctionGemma's guide names it as a stop sequence). A template
-that mentions `<start_function_call>` selects this format.
+that writes an assistant's call with `<start_function_call>` selects this format.
 """
 
 from __future__ import annotations
@@ -15,11 +15,15 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..engine.grammar import MAX_GRAMMAR_CHARS
-from ..engine.regex_gbnf import MAX_REPEAT
-from ..errors import GrammarError
+from ...engine.chat import TemplateCapabilities
+from ...engine.grammar import MAX_GRAMMAR_CHARS
+from ...engine.regex_gbnf import MAX_REPEAT
+from ...errors import GrammarError
+from ..schemas import Tool
+from .base import MAX_PARALLEL, CallGrammar, Parsed, ToolFormat
 
 OPEN, CLOSE, ESCAPE = "<start_function_call>", "<end_function_call>", "<escape>"
 TAG_TEXTS = (OPEN, CLOSE, ESCAPE)  # control tokens rendered as text for requests in this format
@@ -125,7 +129,8 @@ def grammar_rules(schemas: dict[str, dict[str, Any]], strict: set[str] | None = 
                   ) -> tuple[str, dict[str, str], dict[str, dict[str, Any]]]:
     """GBNF rules for a call in this format per tool (name → parameter schema), each one's top rule, and
     the numeric sub-schemas the caller converts with the JSON converter (numbers are written alike in
-    both formats): each key of that mapping stands in the rules as `@key@`, to be replaced by its rule.
+    both formats): the rules refer to each by `number_ref(key)`, a rule the caller defines as the
+    converter's top rule of that key (`number_aliases`).
 
     Enforced: the object's properties (required ones first, in order, then the optional ones in the
     schema's order), strings (minLength/maxLength), enums of strings, numbers and integers with their
@@ -150,6 +155,16 @@ def grammar_rules(schemas: dict[str, dict[str, Any]], strict: set[str] | None = 
         ctx.add(f"fg{i}", f'{OPEN} "call:{_lit(name)}" {args} {CLOSE}')
         tops[name] = f"fg{i}"
     return "\n".join(rules), tops, numbers
+
+
+def number_ref(key: str) -> str:
+    """The rule name by which the call rules refer to the numeric sub-schema `key`."""
+    return "fg-numref-" + key
+
+
+def number_aliases(tops: dict[str, str], keys: Sequence[str]) -> str:
+    """The rules `number_ref(key) ::= <the converter's top rule of key>` for each numeric sub-schema."""
+    return "\n".join(f"{number_ref(k)} ::= {tops[k]}" for k in keys)
 
 
 def _lit(s: str) -> str:
@@ -214,7 +229,7 @@ class _Ctx:
             if any(k in schema for k in _NUMERIC_BOUNDS):
                 key = f"fgnum{len(self.numbers)}"
                 self.numbers[key] = {k: v for k, v in schema.items() if k in ("type", *_NUMERIC_BOUNDS)}
-                return f"@{key}@"
+                return number_ref(key)
             return "fg-int" if kind == "integer" else "fg-num"
         if kind == "string":
             return self.string(schema)
@@ -279,4 +294,38 @@ class _Ctx:
         return self.add(f"{rule}-o", f'"{{" {body} "}}"')
 
 
-__all__ = ["CLOSE", "ESCAPE", "OPEN", "STOP_TEXTS", "TAG_TEXTS", "grammar_rules", "parse"]
+class FunctionGemma(ToolFormat):
+    """FunctionGemma's `<start_function_call>call:NAME{...}<end_function_call>`."""
+
+    name = "function_gemma"
+    starts = (OPEN,)
+    inline_tag = OPEN
+
+    def detect(self, caps: TemplateCapabilities) -> bool:
+        return OPEN in caps.call_text
+
+    def read(self, text: str) -> Parsed | None:
+        if OPEN not in text:
+            return None
+        return parse(text) or (text, [])
+
+    def call_grammar(self, tools: Sequence[Tool], parallel: bool) -> CallGrammar:
+        rules, tops, numbers = grammar_rules(
+            {t.function.name: t.function.parameters or {"type": "object"} for t in tools},
+            {t.function.name for t in tools if t.function.strict})
+
+        def build(json_tops: dict[str, str]) -> tuple[str, str]:
+            call = "(" + " | ".join(tops.values()) + ")"
+            own = (number_aliases(json_tops, list(numbers)) + "\n" + rules).strip()
+            return own, f"{call}{{1,{MAX_PARALLEL}}}" if parallel else call
+        return CallGrammar(numbers, build)
+
+    def engine_args(self, tokenize: Callable[[str], list[int]]) -> dict[str, list[int]]:
+        def ids(texts: Sequence[str]) -> list[int]:
+            got = [tokenize(t) for t in texts]
+            return [i[0] for i in got if len(i) == 1]
+        return {"shown": ids(TAG_TEXTS), "stop_tokens": ids(STOP_TEXTS)}
+
+
+__all__ = ["CLOSE", "ESCAPE", "OPEN", "STOP_TEXTS", "TAG_TEXTS", "FunctionGemma", "grammar_rules",
+           "number_aliases", "number_ref", "parse"]
