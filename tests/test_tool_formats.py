@@ -127,6 +127,16 @@ def test_tool_format_setting_overrides_detection_and_is_checked():
     assert "tool_format: 'xml'" in str(e.value) and "hermes" in str(e.value)
 
 
+def test_a_server_with_tool_format_forces_calls_in_it(tiny_model: Path):
+    """--tool-format hermes on a template without tools: the forced call comes out in `<tool_call>` tags."""
+    with serving(tiny_model, n_ctx=2048, tool_format="hermes") as (s, eng, _st):
+        r = client(s).chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "time?"}], tools=TOOLS, tool_choice="required",
+            parallel_tool_calls=False, max_tokens=240, temperature=0, extra_body={"return_token_ids": True})
+        assert [c.function.name for c in r.choices[0].message.tool_calls] == ["get_time"]
+        assert eng.detokenize(r.choices[0].model_extra["token_ids"]).startswith("<tool_call>\n{")
+
+
 def test_every_format_forces_a_call_it_can_read_back(tmp_path: Path, monkeypatch):
     """Each registered format's grammar, compiled by llama.cpp and sampled on the tiny model (with
     FunctionGemma's tags in its vocabulary), gives a reply that the registry reads back as a call to the tool."""
