@@ -14,6 +14,7 @@ Every public error is defined here. The tree (``code`` is what the server puts i
     ├── AdapterError                invalid_adapter      an adapter does not fit the base
     ├── AdapterNotFoundError        adapter_not_found    (also a KeyError)
     ├── FactorError                 invalid_factors      an in-place write was refused
+    ├── AdapterVersionError         adapter_version_gone a request asked for a version no longer served
     ├── ScaleError                  invalid_scale        (also a ValueError)
     ├── SlotsBusyError              slots_busy           every bank slot is in use
     ├── SourceError                 invalid_source       a source cannot be resolved
@@ -144,6 +145,20 @@ class FactorError(LoramuxError):
         self.adapter = adapter
         self.factor = factor
         super().__init__(f"adapter {adapter!r}: {message}", problems=problems)
+
+
+class AdapterVersionError(LoramuxError):
+    """A request asked for an adapter version other than the one served (it was replaced, or is to come)."""
+
+    code = "adapter_version_gone"
+
+    def __init__(self, name: str, asked: int, current: int):
+        self.name = name
+        self.asked = asked
+        self.current = current
+        when = "no longer served" if asked < current else "not served yet"
+        super().__init__(f"adapter {name!r}: version {asked} is {when}; the version served is {current}",
+                         hint=f"ask for {name}@{current}, or for {name} without a version")
 
 
 class ScaleError(LoramuxError, ValueError):
@@ -349,7 +364,7 @@ class ProbeMismatch(LoramuxError):
 
 
 __all__ = [
-    "AdapterError", "AdapterNotFoundError", "BackendError", "ChecksumError", "ContextLengthError",
+    "AdapterError", "AdapterNotFoundError", "AdapterVersionError", "BackendError", "ChecksumError", "ContextLengthError",
     "ControlVectorError", "ConversionError", "DownloadCancelled", "DownloadError", "DownloadRefused",
     "ChatTemplateError", "EngineClosedError", "FactorError", "GGUFFormatError", "GrammarBudgetError", "GrammarError",
     "LoramuxError", "ModelError", "PackageDataError", "ParameterError", "ProbeMismatch", "RequestFailed", "RpcError",
