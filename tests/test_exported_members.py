@@ -24,7 +24,7 @@ ERRORS = {
     "EngineClosedError", "FactorError", "GGUFFormatError", "GrammarBudgetError", "LoramuxError", "ModelError",
     "PackageDataError",
     "ParameterError",
-    "ProbeMismatch", "RequestFailed", "RpcError", "ScaleError", "SlotsBusyError", "SourceError", "TrainingError",
+    "ProbeMismatch", "RequestFailed", "RpcError", "ScaleError", "ServerError", "SlotsBusyError", "SourceError", "TrainingError",
     "ChatTemplateError", "GrammarError",
 }
 

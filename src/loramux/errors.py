@@ -33,6 +33,7 @@ Every public error is defined here. The tree (``code`` is what the server puts i
     ├── RequestFailed               request_failed       one request failed; the others go on
     ├── RpcError                    rpc_unavailable      an RPC worker is unreachable or was lost
     ├── TrainingError               training_error
+    ├── ServerError                 server_error         a loramux server refused a client's request
     └── ProbeMismatch               probe_mismatch
 """
 
@@ -357,6 +358,20 @@ class TrainingError(LoramuxError):
         super().__init__(message, problems=problems, hint=hint)
 
 
+class ServerError(LoramuxError):
+    """A loramux server refused a request of `loramux.client`: the HTTP status and the error's fields."""
+
+    code = "server_error"
+
+    def __init__(self, status: int, body: object):
+        self.status = status
+        err = body.get("error", {}) if isinstance(body, dict) else {}
+        self.error_code = err.get("code") if isinstance(err, dict) else None
+        self.param = err.get("param") if isinstance(err, dict) else None
+        msg = err.get("message") if isinstance(err, dict) else str(body)
+        super().__init__(f"HTTP {status}: {msg}")
+
+
 class ProbeMismatch(LoramuxError):
     """A probe check found rows that moved, or a reference from another build."""
 
@@ -368,6 +383,6 @@ __all__ = [
     "ControlVectorError", "ConversionError", "DownloadCancelled", "DownloadError", "DownloadRefused",
     "ChatTemplateError", "EngineClosedError", "FactorError", "GGUFFormatError", "GrammarBudgetError", "GrammarError",
     "LoramuxError", "ModelError", "PackageDataError", "ParameterError", "ProbeMismatch", "RequestFailed", "RpcError",
-    "ScaleError", "SlotsBusyError",
+    "ScaleError", "ServerError", "SlotsBusyError",
     "SourceError", "TrainingError",
 ]
