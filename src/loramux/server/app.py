@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, Response
 from ..engine.bank import bank_info
 from ..engine.runtime import Engine
 from ..sources import CancelToken
-from . import protocols, push, tokenize
+from . import jobs, protocols, push, tokenize
 from .config import ServerSettings
 from .errors import install_handlers
 from .guard import Guard, admin_routes, is_admin, uvicorn_config
@@ -108,6 +108,7 @@ def _routes(app: FastAPI, state: ServerState) -> None:
     tokenize.add_routes(app, state)
     _adapter_routes(app, state)
     push.add_routes(app, state)  # factor pushes (admin plane)
+    app.state.jobs = jobs.install(app, state)  # training files and fine-tuning jobs (admin plane)
 
 
 def _adapter_routes(app: FastAPI, state: ServerState) -> None:
