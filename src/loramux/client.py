@@ -96,7 +96,7 @@ class Client:
         return self._json(self.http.get("/v1/fine_tuning/jobs"))["data"]
 
     def cancel(self, job_id: str) -> dict[str, Any]:
-        return self._json(self.http.post(f"/v1/fine_tuning/jobs/{job_id}/cancel"))
+        return self._json(self.http.post(f"/v1/fine_tuning/jobs/{job_id}/cancel", json={}))
 
     def events(self, job_id: str) -> list[dict[str, Any]]:
         """The job's events, oldest first (one per step with its loss)."""

@@ -439,9 +439,14 @@ def delta_bound_problems(factors: Mapping[str, tuple[np.ndarray, np.ndarray]], a
     for name, (a, b) in factors.items():
         r, n_in = a.shape
         s = abs(alpha) / r if alpha else 1.0
-        g_a = float(np.abs(a).max(initial=0.0)) * n_in
-        g_b = s * float(np.abs(b).max(initial=0.0)) * r
+        g_a = _largest(a) * n_in
+        g_b = s * _largest(b) * r
         if not (g_a <= MAX_DELTA_GAIN and g_b <= MAX_DELTA_GAIN and g_a * g_b <= MAX_DELTA_GAIN):
             bad.append(f"{name}: max|A|·in = {g_a:.3g}, |alpha/r|·max|B|·r = {g_b:.3g} (each and their "
                        f"product must be ≤ 2^64 ≈ {MAX_DELTA_GAIN:.3g})")
     return bad[:5] + ([f"… and {len(bad) - 5} more targets"] if len(bad) > 5 else [])
+
+
+def _largest(x: np.ndarray) -> float:
+    """max |x| without a temporary |x| array (half the time of np.abs(x).max()); NaN propagates."""
+    return float(max(x.max(), -x.min())) if x.size else 0.0

@@ -10,6 +10,7 @@ F32 tensors come back as zero-copy views of the body; F16, BF16 and F64 as float
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -74,7 +75,7 @@ def _tensor(name: str, entry: Any, data: memoryview, problems: list[str]) -> np.
         problems.append(f"{name}: data_offsets {offsets!r} is not [begin, end]")
         return None
     begin, end = offsets
-    size = np.dtype(_DTYPES[dtype]).itemsize * int(np.prod(shape, dtype=np.int64))
+    size = np.dtype(_DTYPES[dtype]).itemsize * math.prod(shape)
     if not 0 <= begin <= end <= len(data) or end - begin != size:
         problems.append(f"{name}: bytes [{begin}, {end}) do not hold a {dtype} tensor of shape {shape} "
                         f"inside the {len(data)}-byte data section")
