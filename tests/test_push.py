@@ -187,3 +187,49 @@ def test_pushes_are_admin_only(server):
         assert r.status_code in (401, 403), r.text
     r = httpx.put(srv.url + "/v1/adapters/nope/factors", content=body, headers=ADMIN)
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_every_protocol_names_the_versions(server):
+    srv, eng = server
+    v = eng.adapter("p").version
+    calls = [("/v1/messages", {"model": "p", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}),
+             ("/api/generate", {"model": "tiny:p", "prompt": "hi", "stream": False, "options": {"num_predict": 4}}),
+             ("/v1/responses", {"model": "p", "input": "hi", "max_output_tokens": 4}),
+             ("/v1/chat/completions", {"model": "p", "max_tokens": 4, "stream": True,
+                                       "messages": [{"role": "user", "content": "hi"}]})]
+    for path, body in calls:
+        r = httpx.post(srv.url + path, json=body, timeout=120)
+        assert r.status_code == 200, (path, r.text)
+        assert r.headers["x-loramux-adapter-versions"] == f"p={v}", path
+    r = httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
+    assert r.headers["x-loramux-adapter-versions"] == "" and r.json()["adapter_versions"] == {}
+
+
+def test_requests_submitted_while_a_push_waits_run_on_the_new_version(tiny_model, tmp_path):
+    """Engine level: a push waits for the stream on the old version; a request submitted meanwhile is held
+    and runs on the pushed factors (its completion names the new version and has a fresh load's tokens)."""
+    write_tiny_lora(tmp_path / "w.gguf", seed=5, rank=2, scale=0.5)
+    new = random_factors(rank=2, seed=6, scale=0.8)
+    write_adapter(tmp_path / "fresh.gguf", ARCH, new, 2.0)
+    with lm.Engine.load(tiny_model, n_ctx=512, n_parallel=2, n_threads=1, loras=[str(tmp_path / "w.gguf")]) as eng:
+        kw = {"max_tokens": 200, "temperature": 0, "ignore_eos": True}
+        old = eng.generate(PROMPT, loras={"w": 1.0}, **kw)
+        running = eng.stream(PROMPT, loras={"w": 1.0}, **kw)
+        it = iter(running)
+        next(it)
+        pushed: list[int] = []
+        t = threading.Thread(target=lambda: pushed.append(eng.push_factors("w", new)))
+        t.start()
+        while not eng.pushes.pending and t.is_alive():
+            pass
+        assert eng.pushes.pending  # the push waits for the running stream
+        behind = eng.stream(PROMPT, loras={"w": 1.0}, **kw)  # submitted while it waits
+        for _ in it:
+            pass
+        t.join(60)
+        after = behind.consume()
+        fresh = eng.load_lora(tmp_path / "fresh.gguf", "fresh")
+        ref = eng.generate(PROMPT, loras={fresh.name: 1.0}, **kw)
+    assert running.completion.tokens == old.tokens and running.completion.versions == {"w": 0}
+    assert pushed == [1] and after.versions == {"w": 1}
+    assert after.tokens == ref.tokens != old.tokens
