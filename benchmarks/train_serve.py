@@ -23,11 +23,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
+import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -36,11 +39,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402 - benchmarks/ is not a package
 
-import loramux as lm  # noqa: E402
 from loramux.client import Client  # noqa: E402
 from loramux.gguf_io import write_adapter  # noqa: E402
-from loramux.server import ServerSettings, create_app, serve_in_thread  # noqa: E402
-from loramux.server.config import LoraEntry  # noqa: E402
 
 KEY = "bench-admin"
 DATA = "".join(json.dumps({"prompt": f"Q: what is {i} plus {i}? A:", "completion": f" {2 * i}"}) + "\n"
@@ -148,6 +148,7 @@ def run_job(c: Client, base: str, fid: str, steps: int, share: float, deadline: 
             break
         time.sleep(0.1)
     done = sum(1 for e in c.events(job["id"]) if "train_loss" in e["data"])
+    print(f"job {job['id']}: {done} steps, {c.job(job['id'])['status']}", file=sys.stderr)
     return done / (time.perf_counter() - t0) * 60
 
 
@@ -177,30 +178,46 @@ def main() -> None:
     C.print_machine(info)
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="loramux-trainserve-"))
     shapes = C.projection_shapes(model)
-    eng = lm.Engine.load(model, n_ctx=256, n_parallel=args.streams, n_threads=args.threads)
-    arch = eng.model.architecture
+    from loramux.gguf_io import read_header
+
+    arch = read_header(model).architecture or ""
     C.write_random_adapter(work / "s.gguf", arch, shapes, 8, seed=7)
-    eng.load_lora(work / "s.gguf", "s")
     base = model.name[:-5] if model.name.endswith(".gguf") else model.name
-    app = create_app(eng, ServerSettings(loras=(LoraEntry("s", str(work / "s.gguf")),), adapter_dirs=(str(work),),
-                                         admin_api_key=KEY, jobs_dir=str(work / "jobs")), own_engine=True)
+    with socket.socket() as sock:  # a free port
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    # the server in its own process: the load generator's threads do not share its interpreter
+    proc = subprocess.Popen([sys.executable, "-m", "loramux", "serve", str(model), "--port", str(port),
+                             "--parallel", str(args.streams), "--n-ctx", "256", "--threads", str(args.threads),
+                             "--admin-api-key", KEY, "--adapter-dir", str(work), "--jobs-dir", str(work / "jobs"),
+                             "--lora", f"s={work / 's.gguf'}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    srv = SimpleNamespace(url=f"http://127.0.0.1:{port}")
+    try:
+        C.wait_ready(srv.url, proc)
+        run_parts(args, srv, work, shapes, arch, base)
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def run_parts(args: argparse.Namespace, srv: Any, work: Path, shapes: dict[str, tuple[int, int]], arch: str,
+              base: str) -> None:
     parts = {int(x) for x in args.parts.split(",")}
-    with serve_in_thread(app) as srv:
-        if 1 in parts or 2 in parts:
-            rows = part1(srv, work, shapes, arch, [int(r) for r in args.ranks.split(",")] if 1 in parts else [16],
-                         args.repeats if 1 in parts else 1)
-            if 1 in parts:
-                C.print_table(f"Push to servable, every projection ({len(shapes)} tensors), medians of "
-                              f"{args.repeats} (ms)", ["rank", "body MiB", "servable", "first push", "receive", "client round trip",
-                                                      "reload (GGUF + load)", "reload / servable"], rows)
-        if 2 in parts:
-            C.print_table(f"Pushes to a rank-16 adapter while {args.streams} streams decode on another "
-                          f"({args.seconds:.0f} s each)", ["", "pushes/s", "gap p50 ms", "gap p99 ms", "p99 vs none"],
-                          part2(srv, shapes, args.streams, args.seconds))
-        if 3 in parts:
-            C.print_table(f"A fine-tuning job beside {args.streams} streams ({args.seconds:.0f} s each)",
-                          ["", "gap p50 ms", "gap p99 ms", "p99 vs alone", "job steps/min"],
-                          part3(srv, base, args.streams, args.seconds, args.share))
+    if 1 in parts or 2 in parts:
+        rows = part1(srv, work, shapes, arch, [int(r) for r in args.ranks.split(",")] if 1 in parts else [16],
+                     args.repeats if 1 in parts else 1)
+        if 1 in parts:
+            C.print_table(f"Push to servable, every projection ({len(shapes)} tensors), medians of {args.repeats} "
+                          "(ms)", ["rank", "body MiB", "servable", "first push", "receive", "client round trip",
+                                   "reload (GGUF + load)", "reload / servable"], rows)
+    if 2 in parts:
+        C.print_table(f"Pushes to a rank-16 adapter while {args.streams} streams decode on another "
+                      f"({args.seconds:.0f} s each)", ["", "pushes/s", "gap p50 ms", "gap p99 ms", "p99 vs none"],
+                      part2(srv, shapes, args.streams, args.seconds))
+    if 3 in parts:
+        C.print_table(f"A fine-tuning job beside {args.streams} streams ({args.seconds:.0f} s each)",
+                      ["", "gap p50 ms", "gap p99 ms", "p99 vs alone", "job steps/min"],
+                      part3(srv, base, args.streams, args.seconds, args.share))
 
 
 if __name__ == "__main__":
