@@ -208,3 +208,22 @@ def test_bad_jobs_and_files_get_clear_errors(server):
         r = httpx.get(srv.url + "/v1/fine_tuning/jobs", headers={"Authorization": f"Bearer {key}"})
         assert r.status_code in (401, 403), r.text
     assert private_adapters(eng) == []
+
+
+def test_paced_losses_are_the_engines(tiny_model, tiny_dir):
+    """The job's chunked loss on its own context: one chunk per text is Engine.loss_sum bit for bit; small
+    chunks spread the same forward over several engine commands."""
+    from loramux.train.paced import PacedEngine
+
+    with lm.Engine.load(tiny_model, n_ctx=256, n_threads=1, loras=[str(tiny_dir / "a.gguf")]) as eng:
+        texts = [eng.tokenize(t) for t in ("the cat sat on the mat", "hello world and the dog ran far away")]
+        masks = [[i % 2 == 0 for i in range(len(t))] for t in texts]
+        want = eng.loss_sum(texts, loras={"a": 1.0}, masks=masks, control=None)
+        whole = PacedEngine(eng, threading.Event(), share=1.0, chunk=eng.options.n_batch)
+        small = PacedEngine(eng, threading.Event(), share=1.0, chunk=3)
+        got = whole.loss_sum(texts, loras={"a": 1.0}, masks=masks)
+        chunked = small.loss_sum(texts, loras={"a": 1.0}, masks=masks)
+        whole.close()
+        small.close()
+    assert got == want
+    assert chunked[1] == want[1] and abs(chunked[0] - want[0]) <= 1e-3 * abs(want[0])

@@ -243,6 +243,7 @@ class JobManager:
         finally:
             job.finished_at = int(time.time())
             try:
+                paced.close()  # its context first: it holds the private adapter
                 if private in eng.adapters:
                     eng.remove_lora(private)
             except LoramuxError:  # the engine is closing: it frees the adapter itself
