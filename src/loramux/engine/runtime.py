@@ -87,7 +87,9 @@ class Engine:
         self.pushes = PushGate()  # factor pushes waiting for their adapters' earlier requests (versions.py)
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._busy = threading.Lock()  # held by the engine thread while it runs commands or a step
+        # held by the engine thread while it runs commands or a step, or by a caller running work between
+        # decodes (call_between_decodes); reentrant, so such work may itself write factors in place
+        self._busy = threading.RLock()
         self._closed = False
         self.lost: Exception | None = None  # set when the RPC workers holding the model were lost
         self._thread = threading.Thread(target=self._loop, name="loramux-engine", daemon=True)
@@ -343,13 +345,15 @@ class Engine:
         All-or-nothing: refused factors (FactorError) leave the adapter as it was.
         """
         adapter = self.registry.get(name)
-        try:
-            return self.call(lambda: self.pushes.push(adapter, factors, self.scheduler, checked=False)).result()
+        try:  # idle: at once on this thread, with the engine held (no hop to the engine thread)
+            landed = self.call_between_decodes(lambda: self.pushes.push(adapter, factors, self.scheduler,
+                                                                        checked=False))
         except Exception as e:
             if not must_check(e):
                 raise
-        checked = check_factors(adapter, factors)  # it has to wait: refuse bad factors now, not when it lands
-        return self.call(lambda: self.pushes.push(adapter, checked, self.scheduler, checked=True)).result()
+            checked = check_factors(adapter, factors)  # it has to wait: refuse bad factors now, not when it lands
+            landed = self.call(lambda: self.pushes.push(adapter, checked, self.scheduler, checked=True))
+        return landed.result()
 
     @property
     def n_threads(self) -> int:
