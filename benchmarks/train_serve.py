@@ -137,10 +137,11 @@ def part2(srv: Any, shapes: dict[str, tuple[int, int]], streams: int, seconds: f
              f"{C.ratio(pct(busy, 99), pct(quiet, 99)):.2f}×"]]
 
 
-def run_job(c: Client, base: str, fid: str, steps: int, share: float, deadline: float | None = None) -> float:
+def run_job(c: Client, base: str, fid: str, steps: int, share: float, chunk: int,
+            deadline: float | None = None) -> float:
     """Run a job until it ends or `deadline` (then cancel it); its steps per minute."""
     job = c.create_job(fid, model=base, suffix=f"job{time.monotonic_ns() % 10**8}",
-                       hyperparameters={"steps": steps, "rank": 8, "share": share})
+                       hyperparameters={"steps": steps, "rank": 8, "share": share, "chunk": chunk})
     t0 = time.perf_counter()
     while c.job(job["id"])["status"] not in ("succeeded", "failed", "cancelled"):
         if deadline is not None and time.perf_counter() > deadline:
@@ -152,15 +153,15 @@ def run_job(c: Client, base: str, fid: str, steps: int, share: float, deadline: 
     return done / (time.perf_counter() - t0) * 60
 
 
-def part3(srv: Any, base: str, streams: int, seconds: float, share: float) -> list[list[str]]:
+def part3(srv: Any, base: str, streams: int, seconds: float, share: float, chunk: int) -> list[list[str]]:
     c = Client(srv.url, api_key=KEY)
     fid = c.upload_file(DATA)["id"]
-    alone = run_job(c, base, fid, 10_000, share, time.perf_counter() + seconds)
+    alone = run_job(c, base, fid, 10_000, share, chunk, time.perf_counter() + seconds)
     quiet, _ = with_streams(srv.url, streams, seconds)
-    busy, beside = with_streams(srv.url, streams, seconds, lambda dl: run_job(c, base, fid, 10_000, share, dl))
+    busy, beside = with_streams(srv.url, streams, seconds, lambda dl: run_job(c, base, fid, 10_000, share, chunk, dl))
     return [["streams alone", C.fmt(pct(quiet, 50), 1), C.fmt(pct(quiet, 99), 1), "1.00×", "–"],
             ["job alone", "–", "–", "–", f"{alone:.1f}"],
-            [f"streams + job (share {share})", C.fmt(pct(busy, 50), 1), C.fmt(pct(busy, 99), 1),
+            [f"streams + job (share {share}, chunk {chunk})", C.fmt(pct(busy, 50), 1), C.fmt(pct(busy, 99), 1),
              f"{C.ratio(pct(busy, 99), pct(quiet, 99)):.2f}×", f"{beside:.1f}"]]
 
 
@@ -171,6 +172,7 @@ def main() -> None:
     p.add_argument("--streams", type=int, default=8)
     p.add_argument("--seconds", type=float, default=20.0)
     p.add_argument("--share", type=float, default=0.25, help="the training job's share of the engine thread")
+    p.add_argument("--chunk", type=int, default=16, help="the job's tokens per engine command")
     p.add_argument("--parts", default="1,2,3")
     args = p.parse_args()
     model = C.model_path(args.model)
@@ -217,7 +219,7 @@ def run_parts(args: argparse.Namespace, srv: Any, work: Path, shapes: dict[str, 
     if 3 in parts:
         C.print_table(f"A fine-tuning job beside {args.streams} streams ({args.seconds:.0f} s each)",
                       ["", "gap p50 ms", "gap p99 ms", "p99 vs alone", "job steps/min"],
-                      part3(srv, base, args.streams, args.seconds, args.share))
+                      part3(srv, base, args.streams, args.seconds, args.share, args.chunk))
 
 
 if __name__ == "__main__":

@@ -201,6 +201,8 @@ def test_every_protocol_names_the_versions(server):
         r = httpx.post(srv.url + path, json=body, timeout=120)
         assert r.status_code == 200, (path, r.text)
         assert r.headers["x-loramux-adapter-versions"] == f"p={v}", path
+        if path != "/v1/chat/completions":  # (streamed: the field is in the last chunk)
+            assert r.json()["adapter_versions"] == {"p": v}, path
     r = httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
     assert r.headers["x-loramux-adapter-versions"] == "" and r.json()["adapter_versions"] == {}
 

@@ -15,8 +15,9 @@ first time, a factor push after that: engine/versions.py). Checkpoints are adapt
 atomically (a temporary name, then a rename), every `checkpoint_every` steps and at the end.
 A failed or cancelled job drops its private adapter and changes nothing else.
 
-Training shares the engine thread with serving through train/paced.py: while requests are served its
-forwards take at most `share` (default 0.25) of the engine's time. Bounds: MAX_ACTIVE jobs at a time,
+Training shares the engine thread with serving through train/paced.py: its forwards go to the engine
+thread in chunks of 16 tokens, and while requests are served they take at most `share` (default 0.25)
+of the engine's time. Bounds: MAX_ACTIVE jobs at a time,
 MAX_STEPS steps, MAX_RANK, the file store's bytes (files.py), MAX_KEPT jobs remembered.
 """
 
@@ -39,7 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..errors import LoramuxError, TrainingError
 from ..gguf_io import write_adapter
 from ..train.data import Example, load_examples
-from ..train.paced import DEFAULT_SHARE, PacedEngine
+from ..train.paced import DEFAULT_CHUNK, DEFAULT_SHARE, PacedEngine
 from ..train.zo import ZOConfig, ZOTrainer, init_factors, target_shapes
 from . import files
 from .config import NAME_RE, NAME_RULE
@@ -70,6 +71,7 @@ class Hyperparameters(BaseModel):
     publish_every: int = Field(0, ge=0)
     checkpoint_every: int = Field(0, ge=0)
     share: float = Field(DEFAULT_SHARE, gt=0, le=1)
+    chunk: int = Field(DEFAULT_CHUNK, ge=1, le=512, description="tokens per engine command")
 
 
 class JobRequest(BaseModel):
@@ -116,7 +118,7 @@ class Job:
                 "hyperparameters": {"n_epochs": self.hyper.n_epochs, "batch_size": self.cfg.batch,
                                     "learning_rate_multiplier": self.hyper.learning_rate_multiplier,
                                     "steps": self.cfg.steps, "rank": self.cfg.rank, "lr": self.cfg.lr,
-                                    "eps": self.cfg.eps, "share": self.hyper.share},
+                                    "eps": self.cfg.eps, "share": self.hyper.share, "chunk": self.hyper.chunk},
                 "result_files": [], "trained_tokens": self.trained_tokens, "error": self.error, "seed": self.seed,
                 "organization_id": "loramux", "integrations": [], "estimated_finish": None, "metadata": None,
                 "adapter_versions": list(self.versions), "steps_per_minute": self.steps_per_min}
@@ -214,7 +216,7 @@ class JobManager:
     def _run(self, job: Job, train: list[Example], evals: list[Example]) -> None:
         eng = self.state.engine
         private = f"{job.id}-work"  # not in the server's table: no request can name it
-        paced = PacedEngine(eng, job.cancel, job.hyper.share)
+        paced = PacedEngine(eng, job.cancel, job.hyper.share, job.hyper.chunk)
         t0 = time.monotonic()
         try:
             job.status = "running"
