@@ -276,6 +276,7 @@ FILES: dict[str, fx.Maker] = {
     "examples/vectors/happy.gguf": fx.repo_file("examples/vectors/happy.gguf"),
     "examples/data/captain_train.jsonl": fx.repo_file("examples/data/captain_train.jsonl"),
     "examples/data/captain_eval.jsonl": fx.repo_file("examples/data/captain_eval.jsonl"),
+    "examples/online_learning.py": fx.repo_file("examples/online_learning.py"),
     "other-build.json": _probe_ref,
     "out.ckpt-000300.json": _checkpoint,
 }
