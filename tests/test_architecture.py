@@ -19,7 +19,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("boundaries", ("_native", "gguf_io")),
     ("sources", ("sources",)),
     ("engine", ("engine",)),
-    ("features", ("convert", "merging", "inspect", "probes", "probe_refs", "drift_report", "train", "evaluate")),
+    ("features", ("convert", "merging", "inspect", "probes", "probe_refs", "drift_report", "train", "evaluate", "client")),
     ("server", ("server",)),
     ("deploy", ("ray",)),
     ("cli", ("cli", "__main__")),

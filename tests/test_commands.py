@@ -117,6 +117,8 @@ COMMANDS: dict[str, Case] = {
     "loramux serve --adapter-dir ./adapters --allow-remote-adapters --max-adapter-bytes 1073741824":
         Case(SERVE),
     # docs/train.md
+    "python examples/online_learning.py --steps 3 --threads 1": Case(r"step 3: .*pushed version \d+; sample on "
+                                                                     r"version \d+"),
     "loramux train zo --data examples/data/captain_train.jsonl --eval examples/data/captain_eval.jsonl "
     "-o captain.gguf --steps 120 --log captain.csv --plot captain.png": Case(r"^wrote captain\.png$"),
     "loramux run --lora captain.gguf --chat -p \"Hi, I'm Jonas.\"": Case(r"\S"),
@@ -274,6 +276,7 @@ FILES: dict[str, fx.Maker] = {
     "examples/vectors/happy.gguf": fx.repo_file("examples/vectors/happy.gguf"),
     "examples/data/captain_train.jsonl": fx.repo_file("examples/data/captain_train.jsonl"),
     "examples/data/captain_eval.jsonl": fx.repo_file("examples/data/captain_eval.jsonl"),
+    "examples/online_learning.py": fx.repo_file("examples/online_learning.py"),
     "other-build.json": _probe_ref,
     "out.ckpt-000300.json": _checkpoint,
 }

@@ -19,12 +19,12 @@ PUBLIC = {
     "resolve", "train_zo",
 }
 ERRORS = {
-    "AdapterError", "AdapterNotFoundError", "BackendError", "ChecksumError", "ContextLengthError",
+    "AdapterError", "AdapterNotFoundError", "AdapterVersionError", "BackendError", "ChecksumError", "ContextLengthError",
     "ControlVectorError", "ConversionError", "DownloadCancelled", "DownloadError", "DownloadRefused",
     "EngineClosedError", "FactorError", "GGUFFormatError", "GrammarBudgetError", "LoramuxError", "ModelError",
     "PackageDataError",
     "ParameterError",
-    "ProbeMismatch", "RequestFailed", "RpcError", "ScaleError", "SlotsBusyError", "SourceError", "TrainingError",
+    "ProbeMismatch", "RequestFailed", "RpcError", "ScaleError", "ServerError", "SlotsBusyError", "SourceError", "TrainingError",
     "ChatTemplateError", "GrammarError",
 }
 

@@ -35,7 +35,7 @@ from .gguf_io import (
     write_adapter,
 )
 
-__all__ = ["ConversionReport", "convert_peft", "export_peft", "SUPPORTED_ARCHITECTURES"]
+__all__ = ["ConversionReport", "convert_peft", "export_peft", "peft_factors", "SUPPORTED_ARCHITECTURES"]
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -611,3 +611,32 @@ def _peft_config(h: GGUFHeader, arch: str, ranks: Mapping[str, int], modules: li
         cfg["alora_invocation_tokens"] = [int(t) for t in inv]
     return cfg
 
+
+
+def peft_factors(tensors: Mapping[str, np.ndarray], base: GGUFHeader) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]],
+                                                                           list[str]]:
+    """PEFT-named factors (`…q_proj.lora_A.weight`, in memory) as base tensor name → (A, B), and problems.
+
+    The names are mapped and the factors oriented (and, for llama-like models, q/k rows permuted)
+    as `convert_peft` does; B is taken as it is: the scale applied is the loaded adapter's alpha/r.
+    """
+    problems: list[str] = []
+    arch = _ARCHS.get(base.architecture or "")
+    if arch is None:
+        return {}, [f"PEFT names are not mapped for architecture {base.architecture!r}; send GGUF names "
+                    "(blk.N.attn_q.weight.lora_a / .lora_b)"]
+    tmap = _tensor_map(base.architecture or "", max(int(base.arch_value("block_count", 0) or 0), 1))
+    index = {k: {"dtype": "F32"} for k in tensors}
+    out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    for module, ab in _collect_pairs(index, problems).items():
+        target = _target_for(module, tmap, base, problems)
+        if target is None:
+            continue
+        a, b, err = _orient(module, tensors[ab["A"]], tensors[ab["B"]], base.tensors[target].shape, False)
+        if err:
+            problems.append(err)
+            continue
+        if arch.permute_qk and target.split(".")[-2] in ("attn_q", "attn_k"):
+            b = _permute_for(target, b, base, problems)
+        out[target] = (a, b)
+    return out, problems

@@ -14,6 +14,7 @@ Every public error is defined here. The tree (``code`` is what the server puts i
     ├── AdapterError                invalid_adapter      an adapter does not fit the base
     ├── AdapterNotFoundError        adapter_not_found    (also a KeyError)
     ├── FactorError                 invalid_factors      an in-place write was refused
+    ├── AdapterVersionError         adapter_version_gone a request asked for a version no longer served
     ├── ScaleError                  invalid_scale        (also a ValueError)
     ├── SlotsBusyError              slots_busy           every bank slot is in use
     ├── SourceError                 invalid_source       a source cannot be resolved
@@ -32,6 +33,7 @@ Every public error is defined here. The tree (``code`` is what the server puts i
     ├── RequestFailed               request_failed       one request failed; the others go on
     ├── RpcError                    rpc_unavailable      an RPC worker is unreachable or was lost
     ├── TrainingError               training_error
+    ├── ServerError                 server_error         a loramux server refused a client's request
     └── ProbeMismatch               probe_mismatch
 """
 
@@ -144,6 +146,20 @@ class FactorError(LoramuxError):
         self.adapter = adapter
         self.factor = factor
         super().__init__(f"adapter {adapter!r}: {message}", problems=problems)
+
+
+class AdapterVersionError(LoramuxError):
+    """A request asked for an adapter version other than the one served (it was replaced, or is to come)."""
+
+    code = "adapter_version_gone"
+
+    def __init__(self, name: str, asked: int, current: int):
+        self.name = name
+        self.asked = asked
+        self.current = current
+        when = "no longer served" if asked < current else "not served yet"
+        super().__init__(f"adapter {name!r}: version {asked} is {when}; the version served is {current}",
+                         hint=f"ask for {name}@{current}, or for {name} without a version")
 
 
 class ScaleError(LoramuxError, ValueError):
@@ -342,6 +358,20 @@ class TrainingError(LoramuxError):
         super().__init__(message, problems=problems, hint=hint)
 
 
+class ServerError(LoramuxError):
+    """A loramux server refused a request of `loramux.client`: the HTTP status and the error's fields."""
+
+    code = "server_error"
+
+    def __init__(self, status: int, body: object):
+        self.status = status
+        err = body.get("error", {}) if isinstance(body, dict) else {}
+        self.error_code = err.get("code") if isinstance(err, dict) else None
+        self.param = err.get("param") if isinstance(err, dict) else None
+        msg = err.get("message") if isinstance(err, dict) else str(body)
+        super().__init__(f"HTTP {status}: {msg}")
+
+
 class ProbeMismatch(LoramuxError):
     """A probe check found rows that moved, or a reference from another build."""
 
@@ -349,10 +379,10 @@ class ProbeMismatch(LoramuxError):
 
 
 __all__ = [
-    "AdapterError", "AdapterNotFoundError", "BackendError", "ChecksumError", "ContextLengthError",
+    "AdapterError", "AdapterNotFoundError", "AdapterVersionError", "BackendError", "ChecksumError", "ContextLengthError",
     "ControlVectorError", "ConversionError", "DownloadCancelled", "DownloadError", "DownloadRefused",
     "ChatTemplateError", "EngineClosedError", "FactorError", "GGUFFormatError", "GrammarBudgetError", "GrammarError",
     "LoramuxError", "ModelError", "PackageDataError", "ParameterError", "ProbeMismatch", "RequestFailed", "RpcError",
-    "ScaleError", "SlotsBusyError",
+    "ScaleError", "ServerError", "SlotsBusyError",
     "SourceError", "TrainingError",
 ]

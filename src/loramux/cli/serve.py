@@ -100,6 +100,10 @@ def add_parsers(sub: Any) -> None:
                    help="the tool-call format of every chat: auto (default: what the chat template writes), "
                         "generic, hermes or function_gemma (docs/server.md, Tool calling)")
     p.add_argument("--max-body-bytes", type=int, default=None, help="largest request body (default 1 MiB)")
+    p.add_argument("--max-upload-bytes", type=int, default=None,
+                   help="largest factor push or training file (admin plane; default 256 MiB)")
+    p.add_argument("--jobs-dir", default=None, help="where fine-tuning jobs keep files and checkpoints "
+                                                    "(default: a temporary directory)")
     p.set_defaults(func=cmd_serve)
 
 
@@ -189,6 +193,7 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         allow_remote_adapters=args.allow_remote_adapters, max_loaded=args.max_loaded,
         allow_private_networks=args.allow_private_networks, max_adapter_bytes=args.max_adapter_bytes,
         served_model_name=args.served_model_name, max_body_bytes=args.max_body_bytes,
+        max_upload_bytes=args.max_upload_bytes, jobs_dir=args.jobs_dir,
         loras=tuple(base.loras) + tuple(loras) if loras else None,
         control_vectors=tuple(base.control_vectors) + tuple(cvs) if cvs else None,
         control_vector_layers=args.control_vector_layers, tool_format=args.tool_format)

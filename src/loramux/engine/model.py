@@ -152,24 +152,35 @@ class Context:
                   ) -> tuple[float, int]:
         """Sum of -log p(token[i] | tokens[:i]) over i ≥ 1 where mask[i]; and the count. float64."""
         total, count = 0.0, 0
+        for start in range(0, len(tokens), self.n_batch):
+            s, c = self.nll_chunk(seq, tokens, start, mask)
+            total += s
+            count += c
+        return total, count
+
+    def nll_chunk(self, seq: int, tokens: Sequence[int], start: int, mask: Sequence[bool] | None = None
+                  ) -> tuple[float, int]:
+        """`token_nll`'s share of tokens[start:start + n_batch]: decodes them (tokens[:start] must be in
+        `seq`'s cache already) and scores the tokens they predict. For callers that spread a long
+        forward over several engine commands."""
+        total, count = 0.0, 0
         n = len(tokens)
-        for start in range(0, n, self.n_batch):
-            chunk = tokens[start:start + self.n_batch]
-            # Only rows predicting a scored token need logits (row j predicts token start+j+1); llama.cpp
-            # then skips the output projection, the largest matmul, for the others.
-            want = [start + j + 1 < n and (mask is None or bool(mask[start + j + 1])) for j in range(len(chunk))]
-            self.batch.clear()
-            self.batch.add(chunk, start, seq, want)
-            self.handle.decode(self.batch)
-            for j, w in enumerate(want):
-                if not w:
-                    continue
-                i = start + j + 1
-                row = self.handle.logits_row(j).astype(np.float64)
-                m = row.max()
-                lse = m + np.log(np.exp(row - m).sum())
-                total += float(lse - row[tokens[i]])
-                count += 1
+        chunk = tokens[start:start + self.n_batch]
+        # Only rows predicting a scored token need logits (row j predicts token start+j+1); llama.cpp
+        # then skips the output projection, the largest matmul, for the others.
+        want = [start + j + 1 < n and (mask is None or bool(mask[start + j + 1])) for j in range(len(chunk))]
+        self.batch.clear()
+        self.batch.add(chunk, start, seq, want)
+        self.handle.decode(self.batch)
+        for j, w in enumerate(want):
+            if not w:
+                continue
+            i = start + j + 1
+            row = self.handle.logits_row(j).astype(np.float64)
+            m = row.max()
+            lse = m + np.log(np.exp(row - m).sum())
+            total += float(lse - row[tokens[i]])
+            count += 1
         return total, count
 
     def clear(self, seq: int | None = None) -> None:

@@ -33,6 +33,18 @@ class AdapterSet:
     def as_dict(self) -> dict[str, float]:
         return {a.name: s for a, s in self.items}
 
+    @property
+    def versions(self) -> dict[str, int]:
+        """name → the content version this set is keyed by (what its request runs on)."""
+        return {a.name: v for (a, _), (_, v, _) in zip(self.items, self.key)}
+
+    def at_versions(self, versions: Mapping[int, int]) -> AdapterSet:
+        """This set keyed by other content versions (adapter uid → version; the rest as they are now):
+        the versions a request will run on once the pushes it waits for have landed (versions.py)."""
+        out = AdapterSet(self.items)
+        object.__setattr__(out, "key", tuple((a.uid, versions.get(a.uid, a.version), s) for a, s in self.items))
+        return out
+
     def without_alora(self) -> AdapterSet:
         return AdapterSet(tuple((a, s) for a, s in self.items if not a.is_alora))
 

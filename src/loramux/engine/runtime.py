@@ -22,7 +22,7 @@ import numpy as np
 
 from .. import _native as N
 from .. import config
-from ..errors import AdapterError, ContextLengthError, EngineClosedError, ParameterError
+from ..errors import AdapterError, AdapterVersionError, ContextLengthError, EngineClosedError, ParameterError
 from ..sources import resolve
 from . import rpc
 from .adapters import CheckedAdapter, LoRAAdapter
@@ -39,6 +39,7 @@ from .scheduler import Request, Scheduler, alora_phases
 from .scoring import Scoring, TokenLogprob, score_many
 from .specs import ControlArg, Inherit, LoraSpec, adapter_name
 from .streams import TextStream
+from .versions import PushGate, check_factors, must_check
 
 T = TypeVar("T")
 log = logging.getLogger("loramux")
@@ -83,9 +84,12 @@ class Engine:
         self._eval_risky = False  # the evaluation context last ran a risky adapter set (kv_guard.py)
         self.control: ControlSetting | None = None  # default control-vector setting (see control.py)
         self._retired: list[LoRAAdapter] = []
+        self.pushes = PushGate()  # factor pushes waiting for their adapters' earlier requests (versions.py)
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._busy = threading.Lock()  # held by the engine thread while it runs commands or a step
+        # held by the engine thread while it runs commands or a step, or by a caller running work between
+        # decodes (call_between_decodes); reentrant, so such work may itself write factors in place
+        self._busy = threading.RLock()
         self._closed = False
         self.lost: Exception | None = None  # set when the RPC workers holding the model were lost
         self._thread = threading.Thread(target=self._loop, name="loramux-engine", daemon=True)
@@ -153,6 +157,8 @@ class Engine:
         while True:
             with self._busy:
                 self._run_commands()
+                if self.pushes.pending:
+                    self.pushes.service(self.scheduler)
             if self._closed:
                 break
             if self.scheduler.has_work():
@@ -329,6 +335,26 @@ class Engine:
             self._free_retired()
         self.call(clear)
 
+    def push_factors(self, name: str, factors: Mapping[str, tuple[Any, Any]]) -> int:
+        """Replace factors of adapter `name` as a new version, without a request ever seeing two.
+
+        `factors`: base tensor name → (A (r, in), B (out, r)), rank and targets as loaded; targets not
+        given keep their factors. Returns the new version once it is servable: at the next step
+        boundary if no request runs on the adapter, else once the requests pinned to earlier versions
+        finished (requests submitted meanwhile wait and run on this version; see engine/versions.py).
+        All-or-nothing: refused factors (FactorError) leave the adapter as it was.
+        """
+        adapter = self.registry.get(name)
+        try:  # idle: at once on this thread, with the engine held (no hop to the engine thread)
+            landed = self.call_between_decodes(lambda: self.pushes.push(adapter, factors, self.scheduler,
+                                                                        checked=False))
+        except Exception as e:
+            if not must_check(e):
+                raise
+            checked = check_factors(adapter, factors)  # it has to wait: refuse bad factors now, not when it lands
+            landed = self.call(lambda: self.pushes.push(adapter, checked, self.scheduler, checked=True))
+        return landed.result()
+
     @property
     def n_threads(self) -> int:
         """CPU threads llama.cpp uses for this engine's decodes."""
@@ -388,14 +414,17 @@ class Engine:
     def submit(self, prompt: str | Sequence[int], *, loras: LoraArg = None, control: ControlArg = Inherit.ENGINE,
                on_event: Callable[[str, Any], None] | None = None, share: Request | None = None,
                grammar: Grammar | ActiveGrammar | None = None, shown: Collection[int] = (),
-               stop_tokens: Collection[int] = (), **sampling: Any) -> Request:
+               stop_tokens: Collection[int] = (), versions: Mapping[str, int] | None = None,
+               **sampling: Any) -> Request:
         """Queue a generation; events arrive on `request.events` (and `on_event`, on the engine thread).
 
         `share`: an earlier request on the same prompt and adapters whose prompt KV this one reuses (n > 1).
         `grammar` constrains the output (see `loramux.engine.grammar`: JSON schemas, regexes, choices, GBNF);
         a compiled `ActiveGrammar` is used by this request alone. `shown`: control tokens whose text goes
         into the output (they are left out otherwise), e.g. a tool-call format's tags. `stop_tokens`: tokens
-        that end the output as an end-of-generation token does (left out of it; ignore_eos does not apply)."""
+        that end the output as an end-of-generation token does (left out of it; ignore_eos does not apply).
+        `versions`: adapter name → the content version this request must run on (AdapterVersionError if
+        that is not the version it would get: the adapter moved on)."""
         params = SamplingParams(**sampling).validate()
         if isinstance(grammar, Grammar):
             grammar = grammar.compile(self.model)
@@ -408,13 +437,15 @@ class Engine:
             aset = self.registry.adapter_set(loras)
             cv = self.control if control is Inherit.ENGINE else control
             phases, alora = alora_phases(aset, cv, tokens)
+            for ph in phases:  # pinned to the versions they will run on (a waiting push lands first)
+                ph.adapters = self.pushes.pin(ph.adapters)
+            _check_versions(versions, {a.name: self.pushes.target(a) for a, _ in aset.items})
             req = Request(tokens, params, phases, alora, on_event=on_event, grammar=grammar,
                           scoring=Scoring.wanted(params.prompt_logprobs, params.logprobs), share=share,
                           shown=frozenset(shown), stop_tokens=frozenset(stop_tokens))
-            for a, _ in aset.items:
-                a.version  # noqa: B018 - fingerprint taken now; later writes make a new key
             if params.max_tokens == 0 and params.prompt_logprobs is None:
-                req.emit("done", Completion("", [], "length", len(tokens), aset.as_dict(), alora))
+                req.emit("done", Completion("", [], "length", len(tokens), aset.as_dict(), alora,
+                                            versions=phases[-1].adapters.versions))
             else:
                 self.scheduler.submit(req)
             return req
@@ -579,6 +610,15 @@ def _check_deterministic(model: Model | None, flash_attn: bool, kv_unified: bool
         raise ParameterError("deterministic", "these settings are not batch-invariant: " + "; ".join(problems),
                              hint="use Engine.load(..., deterministic=True), which sets all of this up")
 
+
+
+def _check_versions(asked: Mapping[str, int] | None, runs_on: Mapping[str, int]) -> None:
+    """Refuse a request for an adapter version other than the one it would run on."""
+    for name, v in (asked or {}).items():
+        if name not in runs_on:
+            raise ParameterError("model", f"a version of {name!r} was asked for, but the request does not use it")
+        if runs_on[name] != v:
+            raise AdapterVersionError(name, v, runs_on[name])
 
 
 def _resolve(src: str, **options: Any) -> Path:

@@ -76,6 +76,7 @@ class Completion:
     prompt_tokens: int
     loras: dict[str, float] = field(default_factory=dict)
     alora: dict[str, bool] = field(default_factory=dict)  # aLoRA name -> invocation found in the prompt
+    versions: dict[str, int] = field(default_factory=dict)  # adapter name -> content version it ran on
     # Per-token log-probabilities (engine/scoring.py TokenLogprob) when the request asked for them:
     # `logprobs` of the generated tokens, `prompt_logprobs` of every prompt token (the first has None).
     logprobs: list[TokenLogprob] | None = None

@@ -250,10 +250,15 @@ class Scheduler:
         if self.quarantined and not self.running:
             self._clear_kv()
         blocked: list[Request] = []
+        skipped: list[Request] = []  # blocked ones and those waiting for a pushed version, in order
         while self.waiting and any(s is None and i not in self.quarantined for i, s in enumerate(self.slots)):
             r = self.waiting.pop(0)
+            if not self._on_version(r):
+                skipped.append(r)
+                continue
             if self._waits_for_sibling(r) or (blocked and self._held_back(blocked[0], r)):
                 blocked.append(r)
+                skipped.append(r)
                 continue
             try:
                 admitted = self._acquire_slots(r)
@@ -265,6 +270,7 @@ class Scheduler:
                     r.blocked_step, r.blocked_at = self.stats["decode_steps"], time.monotonic()
                     self._prefetch(r)  # its slot load at admission is then a copy
                 blocked.append(r)  # its adapters wait for bank slots; later requests may still go
+                skipped.append(r)
                 continue
             if r.slots:
                 self._slot_waits.append(time.monotonic() - r.blocked_at if r.blocked_at is not None else 0.0)
@@ -283,7 +289,7 @@ class Scheduler:
             self.slots[seq] = r
             self.stats["prompt_tokens"] += len(r.prompt)
             self.stats["prompt_tokens_reused"] += keep
-        self.waiting[:0] = blocked
+        self.waiting[:0] = skipped
 
     def _acquire_slots(self, r: Request) -> bool:
         """Let the bank admit the request (banked with its slots, or native); False: wait for slots."""
@@ -567,8 +573,26 @@ class Scheduler:
         sc = r.scoring
         return Completion(text=text, tokens=list(r.generated), finish_reason=reason, prompt_tokens=len(r.prompt),
                           loras=r.phases[-1].adapters.as_dict(), alora=dict(r.alora),
+                          versions={k: v for ph in r.phases for k, v in ph.adapters.versions.items()},
                           logprobs=list(sc.generated) if sc and sc.gen_top is not None else None,
                           prompt_logprobs=list(sc.prompt) if sc and sc.scores_prompt else None)
+
+    def fail_waiting(self, which: Callable[[Request], bool], error: Exception) -> None:
+        """Fail the waiting requests `which` selects (a push they waited for could not land)."""
+        for r in [r for r in self.waiting if which(r)]:
+            self.waiting.remove(r)
+            r.emit("error", error)
+
+    def _on_version(self, r: Request) -> bool:
+        """Can `r` start now? Not while a version it is pinned to is still to come (a push waits for
+        earlier requests, engine/versions.py); a version a direct write replaced is re-keyed to the live one."""
+        for ph in r.phases:
+            live = tuple((a.uid, a.version, s) for a, s in ph.adapters.items)
+            if live != ph.adapters.key:
+                if any(v > a.version for (a, _), (_, v, _) in zip(ph.adapters.items, ph.adapters.key)):
+                    return False
+                ph.adapters = type(ph.adapters)(ph.adapters.items)
+        return True
 
     def fail_all(self, error: Exception) -> None:
         for r in self.waiting:

@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, Response
 from ..engine.bank import bank_info
 from ..engine.runtime import Engine
 from ..sources import CancelToken
-from . import protocols, tokenize
+from . import jobs, protocols, push, tokenize
 from .config import ServerSettings
 from .errors import install_handlers
 from .guard import Guard, admin_routes, is_admin, uvicorn_config
@@ -38,6 +38,7 @@ from .schemas import (
     UnloadAdapterRequest,
 )
 from .state import ServerState
+from .versions import VersionHeader
 
 log = logging.getLogger("loramux.server")
 T = TypeVar("T")
@@ -62,7 +63,8 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, *, own_en
     public = ("/health", "/metrics") if settings.public_metrics else ("/health",)
     app.add_middleware(Guard, api_key=settings.api_key, max_body=settings.max_body_bytes, public=public,
                        admin_api_key=settings.admin_api_key, admin=admin_routes(app.routes),
-                       allowed_hosts=settings.host_allowlist())
+                       allowed_hosts=settings.host_allowlist(), max_upload=settings.max_upload_bytes)
+    app.add_middleware(VersionHeader)  # outermost: sees every response's start
     return app
 
 
@@ -105,6 +107,8 @@ def _routes(app: FastAPI, state: ServerState) -> None:
     protocols.add_routes(app, state)  # chat/completions and the other protocols
     tokenize.add_routes(app, state)
     _adapter_routes(app, state)
+    push.add_routes(app, state)  # factor pushes (admin plane)
+    app.state.jobs = jobs.install(app, state)  # training files and fine-tuning jobs (admin plane)
 
 
 def _adapter_routes(app: FastAPI, state: ServerState) -> None:

@@ -111,6 +111,8 @@ class ServerSettings:
     max_adapter_bytes: int | None = DEFAULT_MAX_ADAPTER_BYTES  # size cap of a remote load; None: no cap
     max_loaded: int | None = None
     max_body_bytes: int = 1 << 20
+    max_upload_bytes: int = 256 << 20  # admin-plane uploads: factor pushes, training files (guard.py)
+    jobs_dir: str | None = None  # training jobs' files and checkpoints (None: a temporary directory)
     max_queue: int | None = None  # requests waiting beyond the `parallel` running ones; None: max(64, 8 × parallel)
     max_connections: int = 512  # open connections (uvicorn's limit_concurrency); more get 503
     read_timeout_s: float = 15.0  # a request's headers and body must arrive within this
@@ -173,7 +175,7 @@ class ServerSettings:
         problems = []
         if not 0 <= self.port <= 65535:
             problems.append(f"port: {self.port} is not a TCP port")
-        for name in ("parallel", "n_ctx", "n_batch", "max_body_bytes"):
+        for name in ("parallel", "n_ctx", "n_batch", "max_body_bytes", "max_upload_bytes"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 problems.append(f"{name}: must be a positive integer, got {getattr(self, name)!r}")
         if (self.slots is not None and self.slots < 0) or (self.slot_rank is not None and self.slot_rank < 1):

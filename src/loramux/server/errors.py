@@ -18,10 +18,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..errors import (
     AdapterError,
     AdapterNotFoundError,
+    AdapterVersionError,
     ContextLengthError,
     ControlVectorError,
     DownloadError,
     EngineClosedError,
+    FactorError,
     LoramuxError,
     ParameterError,
     RpcError,
@@ -33,7 +35,7 @@ log = logging.getLogger("loramux.server")
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "not_found_error", 405: "invalid_request_error", 409: "invalid_request_error",
-          413: "invalid_request_error", 415: "invalid_request_error", 421: "invalid_request_error",
+          410: "not_found_error", 413: "invalid_request_error", 415: "invalid_request_error", 421: "invalid_request_error",
           422: "invalid_request_error", 429: "rate_limit_error",
           502: "server_error", 503: "server_error"}
 
@@ -91,6 +93,10 @@ def from_exception(exc: BaseException) -> APIError:
         return APIError(400, "the body is nested too deeply", code="invalid_request")
     if isinstance(exc, AdapterNotFoundError):
         return APIError(404, str(exc), code="adapter_not_found", param="lora")
+    if isinstance(exc, AdapterVersionError):
+        return APIError(410, str(exc), code=exc.code, param="model")
+    if isinstance(exc, FactorError):
+        return APIError(400, str(exc), code=exc.code, param=exc.factor or "factors")
     if isinstance(exc, ContextLengthError):
         return APIError(400, str(exc), code="context_length_exceeded", param="messages")
     if isinstance(exc, ParameterError):

@@ -30,6 +30,7 @@ from .schemas import ChatRequest, CompletionRequest, SamplingFields
 from .state import ServerState, Ticket
 from .structured import request_grammar, response_schema
 from .tools import ToolPlan, ToolStream, history
+from .versions import note, split_model
 
 log = logging.getLogger("loramux.server")
 T = TypeVar("T")
@@ -172,7 +173,8 @@ async def submit_job(state: ServerState, body: CompletionRequest | ChatRequest, 
     tokenized it already (with its tool `plan`, from chat_prompt); `extra`: more engine settings
     (scoring's logprobs, a sequence's seed)."""
     started = time.monotonic()
-    loras = state.pool.requested_set(body.model, body.lora)
+    name, pinned = split_model(body.model, state.pool.entries)  # "adapter@N": that version or a 410
+    loras = state.pool.requested_set(name, body.lora)
     control = await state.control_setting(body.control_vector)
     if tokens is None and isinstance(body, ChatRequest):
         tokens, plan = await asyncio.to_thread(chat_prompt, state, body)
@@ -209,7 +211,8 @@ async def submit_job(state: ServerState, body: CompletionRequest | ChatRequest, 
             pass
 
     eng = state.engine
-    kwargs: dict[str, Any] = {"loras": loras, "on_event": on_event, "grammar": grammar, **sampling}
+    kwargs: dict[str, Any] = {"loras": loras, "on_event": on_event, "grammar": grammar, "versions": pinned,
+                              **sampling}
     if plan is not None:
         kwargs.update(plan.engine_args(lambda t: eng.tokenize(t, add_bos=False, special=True)))
     if control is not None:
@@ -223,6 +226,7 @@ async def submit_job(state: ServerState, body: CompletionRequest | ChatRequest, 
         state.metrics.adapter_requests.labels(name).inc()
     try:
         job.request = await asyncio.shield(asyncio.wrap_future(fut))
+        note({k: v for ph in job.request.phases for k, v in ph.adapters.versions.items()})
     except asyncio.CancelledError:  # the client left while the submit was queued
         fut.add_done_callback(lambda f: f.exception() is None and f.result().cancelled.set())
         job.finish(499, record=False)  # the route records failures of start()

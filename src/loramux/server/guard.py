@@ -7,6 +7,7 @@ admin), JSON-only POST bodies, the body size, and uvicorn's connection limits an
     state-changing route, the inference key             → 403 admin_key_required
     POST without a JSON content type                    → 415 unsupported_media_type (cross-site forms)
     body over --max-body-bytes                          → 413 request_too_large
+    (UPLOAD_ROUTES: admin-plane uploads, any content type, bounded by max_upload_bytes instead)
 
 Every route that is not a GET and not one of INFERENCE_ROUTES is a state-changing (admin) route, so
 a route added later is on the admin plane unless someone puts it on the inference plane on purpose.
@@ -15,6 +16,7 @@ a route added later is on the admin plane unless someone puts it on the inferenc
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Iterable
 from hmac import compare_digest
 from typing import Any
@@ -37,6 +39,11 @@ INFERENCE_ROUTES = frozenset({("POST", "/v1/completions"), ("POST", "/v1/chat/co
                               # Ollama's model management: refused by name whoever asks (no state changes)
                               ("POST", "/api/pull"), ("POST", "/api/push"), ("POST", "/api/create"),
                               ("POST", "/api/copy"), ("DELETE", "/api/delete")})  # read-only, change nothing
+# Admin-plane uploads whose bodies are files, not JSON (a factor push's safetensors, a training file):
+# a browser form cannot carry the admin key, so the JSON-only rule's reason does not apply to them.
+UPLOAD_ROUTES = ((("PUT",), re.compile(r"/v1/adapters/[^/]+/factors")), (("POST",), re.compile(r"/v1/files")))
+# Read routes that still belong to the admin plane (training jobs and their files, adapter internals).
+ADMIN_PREFIXES = ("/v1/adapters/", "/v1/fine_tuning/", "/v1/files")
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 ADMIN_SCOPE_KEY = "loramux.admin"  # set in the ASGI scope: True when the request carries the admin key
@@ -51,6 +58,16 @@ def admin_routes(routes: Iterable[Any]) -> frozenset[tuple[str, str]]:
             if m not in SAFE_METHODS and (m, r.path) not in INFERENCE_ROUTES:
                 out.add((m, r.path))
     return frozenset(out)
+
+
+def is_upload(method: str, path: str) -> bool:
+    """Whether (method, path) is one of UPLOAD_ROUTES."""
+    return any(method in methods and pattern.fullmatch(path) for methods, pattern in UPLOAD_ROUTES)
+
+
+def _template(path: str) -> re.Pattern[str]:
+    """A route path with {parameters} as a pattern of the concrete paths it serves."""
+    return re.compile(re.sub(r"\\\{[^/]+?\\\}", "[^/]+", re.escape(path)))
 
 
 def is_admin(scope: dict[str, Any]) -> bool:
@@ -101,8 +118,10 @@ class Guard:
 
     def __init__(self, app: Any, api_key: str | None, max_body: int, public: tuple[str, ...] = ("/health",),
                  *, admin_api_key: str | None = None, admin: frozenset[tuple[str, str]] = frozenset(),
-                 allowed_hosts: Iterable[str] = ("*",)) -> None:
+                 allowed_hosts: Iterable[str] = ("*",), max_upload: int | None = None) -> None:
         self.app = app
+        self.max_upload = max_body if max_upload is None else max_upload
+        self.admin_templates = [(m, _template(p)) for m, p in admin if "{" in p]
         self.key = api_key.encode() if api_key else None
         self.admin_key = admin_api_key.encode() if admin_api_key else None
         self.max_body = max_body
@@ -123,8 +142,9 @@ class Guard:
             declared = int(headers.get(b"content-length", b"0") or 0)
         except ValueError:
             declared = 0
-        if declared > self.max_body:
-            await self._too_large().response_for(scope.get("path", ""))(scope, receive, send)
+        limit = self.max_upload if is_upload(scope.get("method", ""), scope.get("path", "")) else self.max_body
+        if declared > limit:
+            await self._too_large(limit).response_for(scope.get("path", ""))(scope, receive, send)
             return
         seen = 0
 
@@ -133,8 +153,8 @@ class Guard:
             msg = await receive()
             if msg["type"] == "http.request":
                 seen += len(msg.get("body", b""))
-                if seen > self.max_body:  # chunked bodies carry no content-length
-                    raise HTTPException(413, self._too_large().message)
+                if seen > limit:  # chunked bodies carry no content-length
+                    raise HTTPException(413, self._too_large(limit).message)
             return msg
         await self.app(scope, limited, send)
 
@@ -152,7 +172,7 @@ class Guard:
         inference = self.key is not None and compare_digest(token, self.key)
         admin = self.admin_key is not None and compare_digest(token, self.admin_key)
         scope[ADMIN_SCOPE_KEY] = admin
-        if (method, path) in self.admin:
+        if self._admin_route(method, path):
             if self.admin_key is None:
                 return APIError(403, f"{method} {path} changes server state and is disabled: start the server "
                                      "with --admin-api-key KEY (or --admin-api-key-file FILE, or "
@@ -166,15 +186,21 @@ class Guard:
                 return APIError(401, why, code="invalid_api_key")
         elif not public and self.key is not None and not (inference or admin):
             return _unauthorized()
-        if method in BODY_METHODS:
+        if method in BODY_METHODS and not is_upload(method, path):
             ctype = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
             if ctype != b"application/json":
                 return APIError(415, f"{method} bodies must be JSON: send 'Content-Type: application/json' "
                                      f"(got {ctype.decode('latin-1') or 'none'!r})", code="unsupported_media_type")
         return None
 
-    def _too_large(self) -> APIError:
-        return APIError(413, f"request body larger than {self.max_body} bytes", code="request_too_large")
+    def _admin_route(self, method: str, path: str) -> bool:
+        if (method, path) in self.admin or path.startswith(ADMIN_PREFIXES):
+            return True
+        return any(m == method and t.fullmatch(path) for m, t in self.admin_templates)
+
+    def _too_large(self, limit: int | None = None) -> APIError:
+        return APIError(413, f"request body larger than {self.max_body if limit is None else limit} bytes",
+                        code="request_too_large")
 
 
 def _unauthorized() -> APIError:

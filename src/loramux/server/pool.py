@@ -180,17 +180,19 @@ class AdapterPool:
 
     # ------------------------------------------------------------------ load / unload
     async def load(self, name: str, source: str, *, scale: float = 1.0, replace: bool = False,
-                   pinned: bool = False, cancel: CancelToken | None = None) -> Entry:
+                   pinned: bool = False, cancel: CancelToken | None = None, written_here: bool = False) -> Entry:
         """Validate, download (a remote source, outside the pool lock), load and only then publish an
-        adapter; evict LRU adapters past max_loaded. `cancel` stops the download (the client left)."""
+        adapter; evict LRU adapters past max_loaded. `cancel` stops the download (the client left).
+        `written_here`: a file the server wrote itself (a training job's result), not a client's path,
+        so it is not held to --adapter-dir."""
         if not NAME_RE.match(name) or name == self.base_name:
             raise APIError(400, f"invalid adapter name {name!r}: names must be {NAME_RULE} and differ from "
                                 f"the base model's name", code="invalid_name", param="lora_name")
         if not math.isfinite(scale) or abs(scale) > MAX_SCALE:
             raise APIError(400, f"scale must be finite and within ±{MAX_SCALE:g}", code="invalid_scale",
                            param="scale")
-        local = self.check_source(source)
-        if Source.parse(source).kind != "path":
+        local = source if written_here else self.check_source(source)
+        if not written_here and Source.parse(source).kind != "path":
             local = str(await self.fetch(source, cancel))
         async with self.lock:
             old = self.entries.get(name)

@@ -266,7 +266,8 @@ def message_body(op: Opened, r: Result, managed: bool = False) -> dict[str, Any]
     content: list[dict[str, Any]] = [{"type": "text", "text": r.text}] if r.text or not r.calls else []
     content += [_tool_use(c) for c in r.calls]
     out = {"id": "msg_" + op.id, "type": "message", "role": "assistant", "model": r.model, "content": content,
-           "stop_reason": _STOP[r.finish], "stop_sequence": r.stop_sequence, "usage": _usage(r)}
+           "stop_reason": _STOP[r.finish], "stop_sequence": r.stop_sequence, "usage": _usage(r),
+           "adapter_versions": r.versions}  # loramux's: the adapter versions it ran on (server/versions.py)
     if managed:
         out["context_management"] = {"applied_edits": []}
     return out

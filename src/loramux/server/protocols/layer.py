@@ -66,6 +66,7 @@ class Result:
     tokens: list[int] = field(default_factory=list)  # the generated token ids
     started_ns: int = 0  # wall-clock duration of the request (Ollama reports it), nanoseconds
     first_token_ns: int | None = None  # from the start to the first token, nanoseconds
+    versions: dict[str, int] = field(default_factory=dict)  # adapter name -> the content version it ran on
 
     @property
     def total_tokens(self) -> int:
@@ -160,7 +161,8 @@ def _result(job: Job, completion: Any, text: str, calls: list[Call]) -> Result:
     now = time.monotonic()
     return Result(job.model, text, calls, finish, stop, len(job.prompt), len(completion.tokens),
                   tokens=list(completion.tokens), started_ns=int((now - job.started) * 1e9),
-                  first_token_ns=None if first is None else int(max(0.0, first - job.started) * 1e9))
+                  first_token_ns=None if first is None else int(max(0.0, first - job.started) * 1e9),
+                  versions=dict(getattr(completion, "versions", {})))
 
 
 async def result(opened: Opened, http: HTTPRequest) -> Result | None:

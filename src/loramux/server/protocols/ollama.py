@@ -336,7 +336,7 @@ def _timing(r: Result, reason: str) -> dict[str, Any]:
     first = r.first_token_ns or 0
     return {"done": True, "done_reason": reason, "total_duration": r.started_ns, "load_duration": 0,
             "prompt_eval_count": r.prompt_tokens, "prompt_eval_duration": first, "eval_count": r.completion_tokens,
-            "eval_duration": max(0, r.started_ns - first)}
+            "eval_duration": max(0, r.started_ns - first), "adapter_versions": r.versions}
 
 
 def _reason(r: Result) -> str:

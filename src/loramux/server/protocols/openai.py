@@ -73,7 +73,7 @@ def _full_body(job: Job, r: Result) -> dict[str, Any]:
         obj, prefix = "text_completion", "cmpl-"
     _token_ids(job, r, choice)
     return {"id": prefix + job.id, "object": obj, "created": job.created, "model": job.model,
-            "choices": [choice], "usage": _usage(r)}
+            "choices": [choice], "usage": _usage(r), "adapter_versions": r.versions}
 
 
 def _chunk(job: Job, text: str | None, reason: str | None = None, role: bool = False,
@@ -106,6 +106,7 @@ def _ending(job: Job, r: Result) -> Iterator[str]:
         yield _sse(_chunk(job, None, tool_calls=[{"index": i, "function": {"arguments": c.arguments}}]))
     last = _chunk(job, None if job.chat else "", reason=_finish_reason(r))
     _token_ids(job, r, last["choices"][0])
+    last["adapter_versions"] = r.versions
     yield _sse(last)
     if job.body.stream_options is not None and job.body.stream_options.include_usage:
         prefix = "chatcmpl-" if job.chat else "cmpl-"

@@ -384,7 +384,8 @@ class Shape:
             "usage": None if r is None else {
                 "input_tokens": r.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
                 "output_tokens": r.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
-                "total_tokens": r.total_tokens}}
+                "total_tokens": r.total_tokens},
+            **({} if r is None else {"adapter_versions": r.versions})}
 
 
 class _Events:
