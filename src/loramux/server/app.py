@@ -27,6 +27,7 @@ from ..engine.bank import bank_info
 from ..engine.runtime import Engine
 from ..sources import CancelToken
 from . import protocols, tokenize
+from .access import Cors
 from .config import ServerSettings
 from .errors import install_handlers
 from .guard import Guard, admin_routes, is_admin, uvicorn_config
@@ -63,6 +64,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, *, own_en
     app.add_middleware(Guard, api_key=settings.api_key, max_body=settings.max_body_bytes, public=public,
                        admin_api_key=settings.admin_api_key, admin=admin_routes(app.routes),
                        allowed_hosts=settings.host_allowlist())
+    app.add_middleware(Cors, origins=settings.cors_origins)  # outermost: preflights before the keys
     return app
 
 
@@ -86,7 +88,8 @@ def _routes(app: FastAPI, state: ServerState) -> None:
     async def metrics() -> Response:
         snapshot = state.snapshot()  # on the loop: the adapter table is the loop's alone
         body = await asyncio.to_thread(state.metrics.render, snapshot)  # rendering is the slow part
-        return Response(body, media_type=CONTENT_TYPE)
+        # llama-server's header: dashboards and exporters read the process start from it
+        return Response(body, media_type=CONTENT_TYPE, headers={"Process-Start-Time-Unix": str(state.started)})
 
     @app.get("/v1/models")
     async def models(http: HTTPRequest) -> dict[str, Any]:

@@ -54,6 +54,7 @@ NAME_RULE = "1-128 characters: letters, digits and . _ - : @ + /, starting with 
 DEFAULT_MAX_ADAPTER_BYTES = 4 << 30
 KEY_RE = re.compile(r"^[\x21-\x7e]+$")  # what a client can send in 'Authorization: Bearer KEY'
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+CORS_ORIGIN_RE = re.compile(r"^[a-z][a-z0-9+.-]*://[^/\s?#]+$")  # an Origin header's form: no path, no query
 KEY_SOURCES = {"api_key": "LORAMUX_API_KEY", "admin_api_key": "LORAMUX_ADMIN_API_KEY"}  # key -> env variable
 
 
@@ -98,6 +99,7 @@ class ServerSettings:
     admin_api_key: str | None = field(default=None, repr=False)  # None: no endpoint changes server state
     allowed_hosts: tuple[str, ...] | None = None  # Host headers accepted; None: LOOPBACK_HOSTS + host
     public_metrics: bool = False  # /metrics without the API key (for scrapers such as the GIE endpoint picker)
+    cors_origins: tuple[str, ...] = ()  # browser origins allowed cross-origin ("*": any); () = no CORS (access.py)
     adapter_dirs: tuple[str, ...] = ()
     allow_remote_adapters: bool = False
     allow_private_networks: bool = False  # remote loads may reach loopback, link-local and private addresses
@@ -149,7 +151,7 @@ class ServerSettings:
         for k in sorted(set(data) - known):
             problems.append(f"unknown key {k!r} (known: {', '.join(sorted(known | {'lora', 'control_vector'}))})")
         kwargs = {k: v for k, v in data.items() if k in known}
-        for k in ("adapter_dirs", "allowed_hosts", "rpc"):
+        for k in ("adapter_dirs", "allowed_hosts", "rpc", "cors_origins"):
             if isinstance(kwargs.get(k), list):
                 kwargs[k] = tuple(str(d) for d in kwargs[k])
         if problems:
@@ -210,6 +212,9 @@ class ServerSettings:
         for h in self.allowed_hosts or ():
             if not h or any(c.isspace() for c in h) or "/" in h:
                 problems.append(f"allowed_hosts: {h!r} is not a host name, address or '*'")
+        for o in self.cors_origins:
+            if o != "*" and not CORS_ORIGIN_RE.match(o):
+                problems.append(f"cors_origins: {o!r} is not an origin (scheme://host[:port], no path) or '*'")
         if self.max_queue is not None and (not isinstance(self.max_queue, int) or self.max_queue < 0):
             problems.append(f"max_queue: must be an integer ≥ 0, got {self.max_queue!r}")
         if not isinstance(self.max_connections, int) or self.max_connections < 1:

@@ -36,7 +36,14 @@ INFERENCE_ROUTES = frozenset({("POST", "/v1/completions"), ("POST", "/v1/chat/co
                               ("POST", "/api/embeddings"),
                               # Ollama's model management: refused by name whoever asks (no state changes)
                               ("POST", "/api/pull"), ("POST", "/api/push"), ("POST", "/api/create"),
-                              ("POST", "/api/copy"), ("DELETE", "/api/delete")})  # read-only, change nothing
+                              ("POST", "/api/copy"), ("DELETE", "/api/delete"),  # read-only, change nothing
+                              # llama-server's native routes and aliases (protocols/llama_server.py); its
+                              # POST /props and /slots/{id} answer 501 whoever asks
+                              ("POST", "/completion"), ("POST", "/completions"), ("POST", "/infill"),
+                              ("POST", "/chat/completions"), ("POST", "/apply-template"),
+                              ("POST", "/chat/completions/input_tokens"),
+                              ("POST", "/v1/chat/completions/input_tokens"), ("POST", "/props"),
+                              ("POST", "/slots/{id_slot}")})
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 ADMIN_SCOPE_KEY = "loramux.admin"  # set in the ASGI scope: True when the request carries the admin key

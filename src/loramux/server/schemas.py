@@ -15,6 +15,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from .llama_fields import LlamaFields
+
 # Input limits (docs/server.md, "Security"); each violation is a 400 naming the parameter.
 MAX_STOP = 16  # stop strings per request
 MAX_STOP_CHARS = 256  # characters per stop string
@@ -129,8 +131,8 @@ class StructuredOutputs(_Checked):
     structural_tag: Any = None
 
 
-class SamplingFields(_Checked):
-    """Fields shared by /v1/completions and /v1/chat/completions."""
+class SamplingFields(LlamaFields, _Checked):
+    """Fields shared by /v1/completions and /v1/chat/completions (and llama-server's: llama_fields.py)."""
 
     model: str | None = Field(default=None, max_length=MAX_NAME_CHARS)
     max_tokens: int | None = Field(default=None, ge=0)
@@ -195,7 +197,7 @@ class SamplingFields(_Checked):
 
     def unsupported(self) -> list[tuple[str, str]]:
         """(parameter, why) for every field set to something this server cannot do."""
-        out = []
+        out = self.llama_unsupported()
         if self.store:
             out.append(("store", "loramux does not store completions; send store: false or leave it out"))
         if self.logit_bias:
@@ -384,6 +386,9 @@ class ChatRequest(SamplingFields):
                                      "tool_choice"))
         if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
             out.append(("tool_choice", "needs tools"))
+        if len(self.messages) >= 2 and self.messages[-1].role == self.messages[-2].role == "assistant":
+            out.append(("messages", "at most one assistant message at the end (it is the one continued), as "
+                                    "llama-server requires"))
         return out
 
     def message_dicts(self) -> list[dict[str, Any]]:

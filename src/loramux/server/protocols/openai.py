@@ -19,6 +19,7 @@ from ..schemas import ChatRequest, CompletionRequest
 from ..state import ServerState
 from . import layer
 from .layer import Call, Finished, Opened, Result, TextDelta
+from .timings import SYSTEM_FINGERPRINT, generated, timings
 
 
 def add_routes(app: FastAPI, state: ServerState) -> None:
@@ -42,8 +43,9 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         return await generate(http, body, chat=True)
 
 
-def _usage(r: Result) -> dict[str, int]:
-    return {"prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens, "total_tokens": r.total_tokens}
+def _usage(r: Result) -> dict[str, Any]:
+    return {"prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens, "total_tokens": r.total_tokens,
+            "prompt_tokens_details": {"cached_tokens": r.cached_tokens}}
 
 
 def _finish_reason(r: Result) -> str:
@@ -73,7 +75,8 @@ def _full_body(job: Job, r: Result) -> dict[str, Any]:
         obj, prefix = "text_completion", "cmpl-"
     _token_ids(job, r, choice)
     return {"id": prefix + job.id, "object": obj, "created": job.created, "model": job.model,
-            "choices": [choice], "usage": _usage(r)}
+            "system_fingerprint": SYSTEM_FINGERPRINT, "choices": [choice], "usage": _usage(r),
+            "timings": timings(job, r.completion_tokens, r.cached_tokens)}
 
 
 def _chunk(job: Job, text: str | None, reason: str | None = None, role: bool = False,
@@ -91,7 +94,8 @@ def _chunk(job: Job, text: str | None, reason: str | None = None, role: bool = F
     else:
         choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
         obj, prefix = "text_completion", "cmpl-"
-    return {"id": prefix + job.id, "object": obj, "created": job.created, "model": job.model, "choices": [choice]}
+    return {"id": prefix + job.id, "object": obj, "created": job.created, "model": job.model,
+            "system_fingerprint": SYSTEM_FINGERPRINT, "choices": [choice]}
 
 
 def _sse(obj: Any) -> str:
@@ -106,22 +110,32 @@ def _ending(job: Job, r: Result) -> Iterator[str]:
         yield _sse(_chunk(job, None, tool_calls=[{"index": i, "function": {"arguments": c.arguments}}]))
     last = _chunk(job, None if job.chat else "", reason=_finish_reason(r))
     _token_ids(job, r, last["choices"][0])
-    yield _sse(last)
+    usage = None
     if job.body.stream_options is not None and job.body.stream_options.include_usage:
         prefix = "chatcmpl-" if job.chat else "cmpl-"
-        yield _sse({"id": prefix + job.id, "object": "chat.completion.chunk" if job.chat else "text_completion",
-                    "created": job.created, "model": job.model, "choices": [], "usage": _usage(r)})
+        usage = {"id": prefix + job.id, "object": "chat.completion.chunk" if job.chat else "text_completion",
+                 "created": job.created, "model": job.model, "system_fingerprint": SYSTEM_FINGERPRINT,
+                 "choices": [], "usage": _usage(r)}
+    (usage or last)["timings"] = timings(job, r.completion_tokens, r.cached_tokens)  # llama-server: the last one
+    yield _sse(last)
+    if usage is not None:
+        yield _sse(usage)
 
 
 async def stream(op: Opened) -> AsyncIterator[str]:
     """SSE in OpenAI's chunk format, ending with `data: [DONE]`. Leaving early cancels the request."""
     job = op.job
-    if job.chat:
-        yield _sse(_chunk(job, "", role=True))
+    if job.chat:  # the role first, content null (as OpenAI and llama-server send it)
+        first = _chunk(job, None, role=True)
+        first["choices"][0]["delta"]["content"] = None
+        yield _sse(first)
     try:
         async for ev in layer.events(op):
             if isinstance(ev, TextDelta):
-                yield _sse(_chunk(job, ev.text))
+                chunk = _chunk(job, ev.text)
+                if job.body.timings_per_token:
+                    chunk["timings"] = timings(job, generated(job))
+                yield _sse(chunk)
             elif isinstance(ev, Finished):
                 for line in _ending(job, ev.result):
                     yield line
