@@ -60,7 +60,8 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, *, own_en
     app.state.lm = state
     install_handlers(app)
     _routes(app, state)
-    public = ("/health", "/metrics") if settings.public_metrics else ("/health",)
+    health = ("/health", "/v1/health")  # /v1/health: llama-server's alias (protocols/llama_server.py)
+    public = (*health, "/metrics") if settings.public_metrics else health
     app.add_middleware(Guard, api_key=settings.api_key, max_body=settings.max_body_bytes, public=public,
                        admin_api_key=settings.admin_api_key, admin=admin_routes(app.routes),
                        allowed_hosts=settings.host_allowlist())

@@ -24,6 +24,7 @@ from fastapi import Request as HTTPRequest
 from ..engine.grammar import ActiveGrammar
 from ..engine.sampling import StopMatcher
 from ..errors import GrammarError
+from . import logit_bias
 from .errors import APIError, context_length, from_exception
 from .pool import Entry
 from .schemas import ChatRequest, CompletionRequest, SamplingFields
@@ -178,6 +179,8 @@ async def submit_job(state: ServerState, body: CompletionRequest | ChatRequest, 
     elif tokens is None:
         tokens = await prompt_tokens(state, body)
     sampling = {**sampling_args(body, len(tokens), state.engine.n_ctx, chat), **(extra or {})}
+    if body.logit_bias:
+        sampling["logit_bias"] = await asyncio.to_thread(logit_bias.resolve, state.engine, body.logit_bias)
     grammar = await asyncio.to_thread(constraint, state, body, plan)
     if sampling["stop"]:
         await asyncio.to_thread(StopMatcher.prepare, sampling["stop"])  # not on the engine thread

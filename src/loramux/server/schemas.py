@@ -148,7 +148,7 @@ class SamplingFields(LlamaFields, _Checked):
     n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, Any] | list[Any] | None = None  # OpenAI's and llama-server's forms (logit_bias.py)
     user: str | None = Field(default=None, max_length=MAX_USER_CHARS)  # logged with the request
     metadata: dict[str, str] | None = None  # logged with the request (OpenAI's 16 pairs)
     store: bool | None = None  # loramux stores nothing: only false/null
@@ -200,8 +200,6 @@ class SamplingFields(LlamaFields, _Checked):
         out = self.llama_unsupported()
         if self.store:
             out.append(("store", "loramux does not store completions; send store: false or leave it out"))
-        if self.logit_bias:
-            out.append(("logit_bias", "logit_bias is not supported"))
         if self.guided_decoding_backend:
             out.append(("guided_decoding_backend", "loramux has one backend, llama.cpp's grammar sampler: drop it"))
         if self.guided_whitespace_pattern:

@@ -26,6 +26,7 @@ from ..errors import ERROR_SHAPES, APIError
 from ..schemas import MAX_PROMPT_CHARS, ChatRequest, CompletionRequest
 from ..scoring import Pieces
 from ..state import ServerState
+from ..tools import ToolPlan, history
 from . import infill, layer
 from .layer import Finished, Opened, Result, TextDelta, TokenProbs
 from .timings import SYSTEM_FINGERPRINT, generated, timings
@@ -97,8 +98,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/apply-template")
     async def apply_template(body: ChatRequest) -> dict[str, Any]:
-        tokens = (await asyncio.to_thread(generation.chat_prompt, state, body))[0]
-        return {"prompt": await asyncio.to_thread(state.engine.model.detokenize, tokens, special=True)}
+        return {"prompt": await asyncio.to_thread(_template_text, state, body)}
 
     @app.post("/chat/completions/input_tokens")
     @app.post("/v1/chat/completions/input_tokens")
@@ -133,6 +133,24 @@ def _aliases(app: FastAPI) -> None:
             alias = pairs.get((method, getattr(route, "path", "")))
             if alias is not None:
                 app.add_api_route(alias, route.endpoint, methods=[method])  # type: ignore[attr-defined]
+
+
+def _template_text(state: ServerState, body: ChatRequest) -> str:
+    """The chat as the template writes it, tools and options applied as generation.chat_prompt does; the
+    text that chat_prompt tokenizes (worker thread)."""
+    eng = state.engine
+    try:
+        messages = body.message_dicts()
+    except ValueError as e:
+        raise APIError(400, str(e), code="invalid_request", param="messages") from None
+    template = eng.chat_template()
+    plan = ToolPlan.from_request(body, template)
+    messages = plan.messages(messages, template) if plan is not None else history(messages, template)
+    add = body.add_generation_prompt
+    return eng.apply_chat_template(
+        messages, not body.continue_final_message if add is None else add,
+        continue_final_message=body.continue_final_message, kwargs=body.chat_template_kwargs,
+        tools=plan.template_tools() if plan is not None and template.handles_tools else None)
 
 
 async def _prompt(state: ServerState, body: NativeCompletion) -> list[int]:
