@@ -37,6 +37,11 @@ NATIVE_ONLY = ("return_tokens", "response_fields")  # fields the native response
 # keep OpenAI's: temperature 1, no top-k, top-p or min-p)
 DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
 RANDOM_SEED = 0xFFFFFFFF  # llama-server's LLAMA_DEFAULT_SEED: a random seed, as reported in generation_settings
+# what a chat request may carry here (tools work with any template: tools.py describes them when the template
+# does not); llama-server reads these from probing the template
+CAPS = {"supports_tools": True, "supports_tool_calls": True, "supports_parallel_tool_calls": True,
+        "supports_system_role": True, "supports_string_content": True, "supports_typed_content": True,
+        "supports_object_arguments": False, "supports_preserve_reasoning": False, "supports_reasoning_effort": False}
 ERROR_TYPES = {501: "not_supported_error", 503: "unavailable_error", 404: "not_found_error",
                401: "authentication_error", 403: "permission_error"}
 
@@ -103,7 +108,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/chat/completions/input_tokens")
     @app.post("/v1/chat/completions/input_tokens")
     async def input_tokens(body: ChatRequest) -> dict[str, Any]:
-        return {"input_tokens": await layer.prompt_size(state, body)}
+        return {"input_tokens": await layer.prompt_size(state, body), "object": "response.input_tokens"}
 
     @app.get("/props")
     async def props() -> dict[str, Any]:
@@ -270,7 +275,7 @@ def _final(state: ServerState, op: Opened, body: NativeCompletion, r: Result, pi
         "tokens_evaluated": r.prompt_tokens, "generation_settings": _settings(state, op, body),
         "prompt": state.engine.model.detokenize(job.prompt, special=True), "has_new_line": "\n" in r.text,
         "truncated": False, "stop_type": stop_type, "stopping_word": r.stop_sequence or "",
-        "tokens_cached": r.prompt_tokens + r.completion_tokens,
+        "tokens_cached": r.prompt_tokens + max(0, r.completion_tokens - 1),  # the last token is not decoded
         "timings": timings(job, r.completion_tokens, r.cached_tokens)}
     if body.n_probs and not streamed:
         out["completion_probabilities"] = _probs((r.logprobs or [])[: r.completion_tokens], pieces)
@@ -312,14 +317,14 @@ def _props(state: ServerState) -> dict[str, Any]:
     eng = state.engine
     h = eng.model.handle
     bos, eos = eng.model.token_text(h.bos), eng.model.token_text(h.eos)
-    params = {"n_predict": -1, "seed": RANDOM_SEED, **DEFAULTS, "repeat_penalty": 1.0, "presence_penalty": 0.0,
+    params = {"n_predict": -1, "max_tokens": -1, "seed": RANDOM_SEED, **DEFAULTS, "repeat_penalty": 1.0, "presence_penalty": 0.0,
               "frequency_penalty": 0.0, "stream": False, "n_probs": 0, "ignore_eos": False,
               "timings_per_token": False, "post_sampling_probs": False, "lora": []}
     return {"default_generation_settings": {"params": params, "n_ctx": eng.n_ctx},
             "total_slots": eng.n_parallel, "model_alias": state.base_name, "model_path": eng.model.path.name,
             "modalities": {"vision": False, "video": False, "audio": False},
             "endpoint_slots": True, "endpoint_props": False, "endpoint_metrics": True, "ui": False,
-            "chat_template": eng.chat_template().source, "chat_template_caps": {},
+            "chat_template": eng.chat_template().source, "chat_template_caps": CAPS,
             "bos_token": bos, "eos_token": eos, "build_info": SYSTEM_FINGERPRINT, "is_sleeping": False}
 
 
