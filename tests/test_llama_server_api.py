@@ -113,6 +113,8 @@ def test_n_probs(srv):
     streamed = [c for c in sse(post(s, "/completion", {**body, "stream": True})) if not c["stop"]]
     got = [p for c in streamed for p in c["completion_probabilities"]]
     assert [p["id"] for p in got] == [p["id"] for p in probs]
+    alias = post(s, "/completion", {**{k: v for k, v in body.items() if k != "n_probs"}, "logprobs": 3}).json()
+    assert alias["completion_probabilities"] == probs  # llama-server reads logprobs as n_probs
     # n_probs on the OpenAI routes: logprobs with that many alternatives
     chat = post(s, "/v1/chat/completions", {**CHAT, "n_probs": 2, "max_tokens": 3}).json()
     assert all(len(t["top_logprobs"]) == 2 for t in chat["choices"][0]["logprobs"]["content"])
@@ -156,6 +158,10 @@ def test_fields_honoured_on_the_openai_routes(srv):
     ("/completion", {"post_sampling_probs": True}, "post_sampling_probs"),
     ("/completion", {"cache_prompt": False}, "cache_prompt"),
     ("/completion", {"mirostat": 2}, "mirostat"),
+    ("/completion", {"n": 2}, "n"),
+    ("/completion", {"return_token_ids": True}, "return_token_ids"),
+    ("/completion", {"stream": True, "stream_options": {"include_usage": True}}, "stream_options.include_usage"),
+    ("/completion", {"id_slot": 0}, "id_slot"),
     ("/v1/completions", {"logit_bias": {"99999": 1}}, "logit_bias"),
     ("/completion", {"logit_bias": [[3, True]]}, "logit_bias"),
 ])
@@ -217,6 +223,11 @@ def test_two_assistant_messages_at_the_end_are_refused(srv):
     r = post(srv, "/chat/completions", {"messages": msgs, "max_tokens": 2})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
     assert post(srv, "/chat/completions", {"messages": msgs[:2], "max_tokens": 2}).status_code == 200
+    r = post(srv, "/v1/chat/completions", {"messages": [{"role": "user"}], "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.content"
+    r = post(srv, "/v1/chat/completions", {"messages": msgs[:2], "continue_final_message": True,
+                                           "add_generation_prompt": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
 
 
 def test_json_object_with_schema_is_applied(srv):

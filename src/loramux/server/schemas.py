@@ -384,9 +384,9 @@ class ChatRequest(SamplingFields):
                                      "tool_choice"))
         if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
             out.append(("tool_choice", "needs tools"))
-        if len(self.messages) >= 2 and self.messages[-1].role == self.messages[-2].role == "assistant":
-            out.append(("messages", "at most one assistant message at the end (it is the one continued), as "
-                                    "llama-server requires"))
+        if self.continue_final_message and self.add_generation_prompt:
+            out.append(("continue_final_message", "cannot be true together with add_generation_prompt: one "
+                                                  "continues the last message, the other starts a new one"))
         return out
 
     def message_dicts(self) -> list[dict[str, Any]]:

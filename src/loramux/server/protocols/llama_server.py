@@ -65,8 +65,20 @@ class NativeCompletion(CompletionRequest):
     n_predict: int | None = Field(default=-1, ge=-1)
 
     def llama_unsupported(self) -> list[tuple[str, str]]:
-        """The OpenAI routes' refusals but those this route answers (return_tokens, response_fields, -1)."""
-        return [(p, why) for p, why in super().llama_unsupported() if p not in (*NATIVE_ONLY, "n_predict")]
+        """The OpenAI routes' refusals but those this route answers (return_tokens, response_fields, -1), and
+        the OpenAI fields whose answer this route's response has no place for."""
+        out = [(p, why) for p, why in super().llama_unsupported() if p not in (*NATIVE_ONLY, "n_predict")]
+        for name, why in (("n", "one completion per request here: send n to /v1/completions"),
+                          ("best_of", "send best_of to /v1/completions"), ("echo", "send echo to /v1/completions"),
+                          ("prompt_logprobs", "send prompt_logprobs to /v1/completions"),
+                          ("return_token_ids", "this route's name for it is return_tokens")):
+            v = getattr(self, name)
+            if v is True or (not isinstance(v, bool) and v is not None and v != 1):  # n 1: the one completion
+                out.append((name, why))
+        if self.stream_options is not None and self.stream_options.include_usage:
+            out.append(("stream_options.include_usage", "the last chunk carries the counts here "
+                                                        "(tokens_predicted, tokens_evaluated, timings)"))
+        return out
 
 
 class ExtraChunk(BaseModel):
@@ -179,7 +191,7 @@ async def _prompt(state: ServerState, body: NativeCompletion) -> list[int]:
 def _internal(state: ServerState, body: NativeCompletion, tokens: list[int]) -> CompletionRequest:
     """The engine's request: the tokens as its prompt, the limit -1 as "up to the context", llama-server's
     sampling defaults for what the body leaves out, n_probs read here (not as OpenAI's logprobs)."""
-    update: dict[str, Any] = {"prompt": tokens, "logprobs": None}
+    update: dict[str, Any] = {"prompt": tokens, "logprobs": None}  # n_probs (logprobs: its alias) read apart
     if body.n_predict is None or body.n_predict < 0:
         update["max_tokens"] = max(0, state.engine.n_ctx - len(tokens))
     for name, value in DEFAULTS.items():
@@ -213,7 +225,7 @@ async def _open(state: ServerState, body: CompletionRequest, n_probs: int) -> Op
 
 async def _respond(state: ServerState, http: HTTPRequest, body: NativeCompletion, tokens: list[int]) -> Response:
     internal = _internal(state, body, tokens)
-    op = await _open(state, internal, body.n_probs or 0)
+    op = await _open(state, internal, n_probs(body))
     pieces = Pieces(state)
     if body.stream:
         return layer.EventStream(op, _stream(op, body, pieces), "text/event-stream")
@@ -222,6 +234,11 @@ async def _respond(state: ServerState, http: HTTPRequest, body: NativeCompletion
         return Response(status_code=499)
     out = await asyncio.to_thread(_final, state, op, body, r, pieces, False)
     return JSONResponse(_fields(out, body.response_fields))
+
+
+def n_probs(body: NativeCompletion) -> int:
+    """The top-N wanted per generated token: n_probs, else `logprobs` (llama-server reads it as an alias)."""
+    return int(body.n_probs if body.n_probs is not None else body.logprobs or 0)
 
 
 def _fields(out: dict[str, Any], wanted: list[str] | None) -> dict[str, Any]:
@@ -257,7 +274,7 @@ def _settings(state: ServerState, op: Opened, body: NativeCompletion) -> dict[st
             "temperature": b.temperature, "top_k": b.top_k, "top_p": b.top_p, "min_p": b.min_p,
             "repeat_penalty": b.repeat_penalty if b.repeat_penalty is not None else 1.0,
             "presence_penalty": b.presence_penalty or 0.0, "frequency_penalty": b.frequency_penalty or 0.0,
-            "stop": list(b.stops()), "stream": b.stream, "n_probs": body.n_probs or 0, "ignore_eos": b.ignore_eos,
+            "stop": list(b.stops()), "stream": b.stream, "n_probs": n_probs(body), "ignore_eos": b.ignore_eos,
             "timings_per_token": b.timings_per_token, "post_sampling_probs": False,
             "grammar": b.grammar or "", "lora": [{"id": e.id, "scale": e.scale} for e in op.job.entries],
             "n_ctx": state.engine.n_ctx}
@@ -277,7 +294,7 @@ def _final(state: ServerState, op: Opened, body: NativeCompletion, r: Result, pi
         "truncated": False, "stop_type": stop_type, "stopping_word": r.stop_sequence or "",
         "tokens_cached": r.prompt_tokens + max(0, r.completion_tokens - 1),  # the last token is not decoded
         "timings": timings(job, r.completion_tokens, r.cached_tokens)}
-    if body.n_probs and not streamed:
+    if n_probs(body) and not streamed:
         out["completion_probabilities"] = _probs((r.logprobs or [])[: r.completion_tokens], pieces)
     return out
 
@@ -300,7 +317,7 @@ async def _stream(op: Opened, body: NativeCompletion, pieces: Pieces) -> AsyncIt
                 if body.return_tokens:  # the tokens generated since the last chunk
                     now = list(getattr(job.request, "generated", ()))
                     chunk["tokens"], sent = now[sent:], len(now)
-                if body.n_probs:
+                if n_probs(body):
                     chunk["completion_probabilities"], probs = _probs(probs, pieces), []
                 if body.timings_per_token:
                     chunk["timings"] = timings(job, generated(job))

@@ -40,7 +40,22 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, http: HTTPRequest) -> Response:
+        _check_order(body)
         return await generate(http, body, chat=True)
+
+
+def _check_order(body: ChatRequest) -> None:
+    """The message rules of OpenAI's chat (and llama-server's, which also serves it as /chat/completions):
+    every message but an assistant's has content, an assistant's has content or tool calls, and at most one
+    assistant message ends the list (the one continued)."""
+    for i, m in enumerate(body.messages):
+        if m.content is None and (m.role != "assistant" or not m.tool_calls):
+            raise APIError(400, f"messages.{i}: a {m.role} message needs content"
+                                + (" or tool_calls" if m.role == "assistant" else ""),
+                           code="invalid_request", param=f"messages.{i}.content")
+    if len(body.messages) >= 2 and body.messages[-1].role == body.messages[-2].role == "assistant":
+        raise APIError(400, "messages: at most one assistant message at the end (the one continued)",
+                       code="invalid_request", param="messages")
 
 
 def _usage(r: Result) -> dict[str, Any]:
