@@ -164,6 +164,7 @@ def test_fields_honoured_on_the_openai_routes(srv):
     ("/completion", {"id_slot": 0}, "id_slot"),
     ("/v1/completions", {"logit_bias": {"99999": 1}}, "logit_bias"),
     ("/completion", {"logit_bias": [[3, True]]}, "logit_bias"),
+    ("/completion", {"logit_bias": [[3, 1e308]]}, "logit_bias"),
 ])
 def test_fields_refused_by_name(srv, path, extra, param):
     body = {**CHAT} if "chat" in path else {"prompt": PROMPT}

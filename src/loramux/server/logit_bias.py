@@ -5,8 +5,8 @@ sampler (the first of the chain, so every later sampler and the grammar see the 
     llama-server:  {"<token id>" | "<text>": bias | false}    a text stands for each of its tokens
                    [[<token id> | "<text>", bias | false], ...]
 
-`false` bans the token (a bias of -inf). A token id outside the vocabulary, a bias that is not a finite
-number, `true`, or more than MAX_LOGIT_BIAS entries is a 400 naming `logit_bias` (llama-server skips such
+`false` bans the token (a bias of -inf). A token id outside the vocabulary, a bias that is not a number
+within ±MAX_BIAS, `true`, or more than MAX_LOGIT_BIAS entries is a 400 naming `logit_bias` (llama-server skips such
 entries silently; loramux does not ignore what it was asked).
 """
 
@@ -20,6 +20,7 @@ from .errors import APIError
 
 MAX_LOGIT_BIAS = 1024  # entries of one request's logit_bias (each a text to tokenize at most MAX_TEXT characters)
 MAX_TEXT = 256
+MAX_BIAS = 1e4  # |bias|: far past any logit, and a sum llama.cpp's float32 logits hold (1e308 would be inf)
 
 
 def _bad(message: str) -> APIError:
@@ -29,8 +30,10 @@ def _bad(message: str) -> APIError:
 def _bias(value: Any, key: Any) -> float:
     if value is False:
         return -math.inf
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise _bad(f"the bias of {key!r} must be a finite number, or false to ban it; got {value!r}")
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+            or abs(value) > MAX_BIAS):
+        raise _bad(f"the bias of {key!r} must be a number in [-{MAX_BIAS:g}, {MAX_BIAS:g}], or false to ban the "
+                   f"token; got {value!r}")
     return float(value)
 
 
@@ -64,4 +67,4 @@ def resolve(engine: Engine, value: dict[str, Any] | list[Any] | None) -> tuple[t
     return tuple(out.items())
 
 
-__all__ = ["MAX_LOGIT_BIAS", "MAX_TEXT", "resolve"]
+__all__ = ["MAX_BIAS", "MAX_LOGIT_BIAS", "MAX_TEXT", "resolve"]
