@@ -19,7 +19,16 @@ import time
 from typing import Any
 
 import httpx
-from _common import common_args, machine_info, median, model_path, peer_binary, print_machine, print_table, wait_ready
+from _common import (
+    common_args,
+    machine_info,
+    median,
+    model_path,
+    peer_binary,
+    print_machine,
+    print_table,
+    wait_ready,
+)
 
 PROMPT = "Write a short story about a lighthouse keeper who"
 
