@@ -373,3 +373,20 @@ def test_clients_accept_a_null_first_delta(srv):
     llm = ChatOpenAI(base_url=s[0].url + "/v1", api_key="k", model="tiny", max_tokens=4, temperature=0,
                      max_retries=0)
     assert "".join(str(m.content) for m in llm.stream("hi")) == whole.choices[0].message.content
+
+
+def test_cors_origins_from_the_command_line_and_the_settings_file(tiny_model: Path, tmp_path: Path):
+    from loramux.cli import build_parser
+    from loramux.cli.serve import settings_from_args
+    from loramux.errors import ParameterError
+    from loramux.server import ServerSettings
+
+    args = build_parser().parse_args(["serve", str(tiny_model), "--cors-origins", f"{PAGE},https://b.example",
+                                      "--cors-origins", "http://c.example"])
+    assert settings_from_args(args).cors_origins == (PAGE, "https://b.example", "http://c.example")
+    cfg = tmp_path / "deploy.toml"
+    cfg.write_text(f'cors_origins = ["{PAGE}", "*"]\n')
+    assert ServerSettings.from_toml(cfg).cors_origins == (PAGE, "*")
+    for bad in ("page.example", "http://page.example/app", "http://page.example?x=1"):
+        with pytest.raises(ParameterError, match="cors_origins"):
+            ServerSettings(cors_origins=(bad,)).validated()

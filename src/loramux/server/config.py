@@ -13,6 +13,7 @@
     api_key_env = "LORAMUX_API_KEY"      # read the key from this variable (or api_key_file, api_key = "...")
     admin_api_key_file = "/run/secrets/loramux-admin"   # enables load/unload/global scales (off without it)
     allowed_hosts = ["llm.internal", "10.0.0.5"]         # Host headers accepted (default: loopback + host)
+    cors_origins = ["https://app.internal"]             # browser pages allowed cross-origin (default: none)
     max_queue = 32                       # waiting beyond the `parallel` running ones (default max(64, 8 × parallel))
     adapter_dirs = ["/adapters"]         # runtime loads by path only from here
     allow_remote_adapters = false
