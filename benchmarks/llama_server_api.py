@@ -13,6 +13,7 @@ and each row against llama-server's plain /completion.
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import subprocess
 import time
@@ -31,6 +32,9 @@ from _common import (
 )
 
 PROMPT = "Write a short story about a lighthouse keeper who"
+# Both servers idle while the other one runs: OpenMP threads that spin while waiting would take the cores from
+# the other (set before llama.cpp loads here; llama-server inherits it).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def cases(n: int) -> dict[str, tuple[str, str, dict[str, Any]]]:
