@@ -10,7 +10,7 @@ the engine and the file system, not only the validators. A sweep then puts every
 every string field, and edge numbers into every number field, of one complete valid body per operation
 (random cases rarely put a given value in a given field). Checked on every response: no 5xx (also none
 inside an SSE stream), no hang (each request under a client timeout), error bodies in the shape of the protocol
-serving the path (OpenAI's, Anthropic's on /v1/messages, Ollama's on /api/).
+serving the path (OpenAI's, Anthropic's on /v1/messages, Ollama's on /api/, llama-server's on its native routes).
 Afterwards the server is healthy, has no request or sequence left over, and serves the base and its
 adapters bit-identically to before the run.
 
@@ -90,6 +90,20 @@ TEMPLATES: list[tuple[str, Any]] = [
     ("/api/generate", {"model": "tiny", "prompt": "the cat", "system": "s", "stream": False,
                        "options": {"num_predict": 4, "top_k": 4}}),
     ("/api/show", {"model": PINNED[1], "verbose": False}),
+    # llama-server's native API (protocols/llama_server.py)
+    ("/completion", {"prompt": [1, "the cat", 5], "n_predict": 4, "temperature": 0.5, "top_k": 4, "seed": 3,
+                     "n_probs": 2, "return_tokens": True, "stream": True, "timings_per_token": True,
+                     "cache_prompt": True,
+                     "id_slot": -1, "stop": ["x"], "logit_bias": [[5, -1.0], ["cat", False]],
+                     "lora": [{"id": 0, "scale": 0.5}]}),
+    ("/infill", {"input_prefix": "the", "input_suffix": "mat", "prompt": "cat",
+                 "input_extra": [{"filename": "f.txt", "text": "dog"}], "n_predict": 3,
+                 "response_fields": ["content", "generation_settings/n_predict"]}),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n_predict": 3,
+                              "n_probs": 2, "logit_bias": {"5": 1.5, "cat": False}, "timings_per_token": True,
+                              "stream": True}),
+    ("/apply-template", {"messages": [{"role": "user", "content": "hello"}]}),
+    ("/chat/completions/input_tokens", {"messages": [{"role": "user", "content": "hello"}]}),
 ]
 CHECK_PROMPT = [1]  # one token: never reuses a cached prefix, so before and after compute alike
 
@@ -196,6 +210,17 @@ def _shape_problem(r: requests.Response, path: str) -> str | None:
     return None
 
 
+def _native_sse_problem(text: str) -> str | None:
+    """llama-server's native stream: it ends with the object that has `stop: true`, or an error (no [DONE])."""
+    events = [json.loads(ln[6:]) for ln in text.splitlines() if ln.startswith("data: ")]
+    last = events[-1] if events else {}
+    if not (last.get("stop") is True or isinstance(last.get("error"), dict)):
+        return f"the stream does not end with stop: true: {events[-2:]}"
+    if isinstance(last.get("error"), dict) and last["error"].get("code", 0) >= 500:
+        return f"server error inside the stream: {last}"
+    return None
+
+
 def _sse_problem(text: str) -> str | None:
     """A server error sent inside an event stream (after its 200), or a stream that does not end."""
     lines = [ln for ln in text.splitlines() if ln]
@@ -208,15 +233,26 @@ def _sse_problem(text: str) -> str | None:
     return None
 
 
+def _not_supported(r: requests.Response) -> bool:
+    """llama-server's 501 `not_supported_error` (/infill on a vocabulary without FIM tokens, POST /props, the
+    slot actions): a deliberate answer, not a failure."""
+    try:
+        return r.status_code == 501 and r.json()["error"]["type"] == "not_supported_error"
+    except (ValueError, KeyError, TypeError):
+        return False
+
+
 def _problem(r: requests.Response) -> str | None:
     """What is wrong with one response, or None."""
-    if r.status_code >= 500:
+    if r.status_code >= 500 and not _not_supported(r):
         return f"{r.status_code}: {r.text[:300]}"
     ctype = r.headers.get("content-type", "")
     path = requests.utils.urlparse(r.url).path
     if r.status_code == 200 and ctype.startswith("text/event-stream"):
         if path.startswith(("/v1/messages", "/v1/responses")):
             return _protocol_sse_problem(r.text, path)
+        if path.startswith(("/completion", "/infill")):
+            return _native_sse_problem(r.text)
         return _sse_problem(r.text)
     if r.status_code == 200 and ctype.startswith("application/x-ndjson"):  # Ollama's stream
         last = json.loads(r.text.splitlines()[-1])
@@ -274,8 +310,9 @@ class Fuzz:
             return
         self.statuses[(op.method.upper(), op.path, r.status_code)] += 1
         problem = _problem(r)
-        try:  # schemathesis's own check too
-            case.validate_response(r, checks=[not_a_server_error])
+        try:  # schemathesis's own check too (but for llama-server's deliberate 501s)
+            if not _not_supported(r):
+                case.validate_response(r, checks=[not_a_server_error])
         except FailureGroup as e:
             problem = problem or f"schemathesis: {e.exceptions[0]}"
         self.note(what, problem)
@@ -348,7 +385,8 @@ def test_fuzz_the_api_from_its_openapi_schema(tiny_model: Path, fuzz_dir: Path) 
         ("GET", "/health"), ("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
         ("POST", "/v1/load_lora_adapter"), ("POST", "/v1/unload_lora_adapter"), ("POST", "/lora-adapters"),
         ("POST", "/v1/messages"), ("POST", "/v1/messages/count_tokens"), ("POST", "/v1/responses"),
-        ("POST", "/api/chat"), ("POST", "/api/generate"), ("POST", "/api/show"), ("GET", "/api/tags")}
+        ("POST", "/api/chat"), ("POST", "/api/generate"), ("POST", "/api/show"), ("GET", "/api/tags"),
+        ("POST", "/completion"), ("POST", "/infill"), ("GET", "/props"), ("GET", "/slots")}
     started = time.monotonic()
     with serve_in_thread(app) as srv:
         before = _reference(srv.url)

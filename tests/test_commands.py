@@ -116,6 +116,10 @@ COMMANDS: dict[str, Case] = {
         Case(r"admin:   on"),
     "loramux serve --adapter-dir ./adapters --allow-remote-adapters --max-adapter-bytes 1073741824":
         Case(SERVE),
+    # docs/llama-server.md
+    "loramux serve --cors-origins http://localhost:5173": Case(SERVE),
+    "curl http://127.0.0.1:8080/completion -H 'Content-Type: application/json' -d '{\"prompt\": \"The capital of "
+    "France is\", \"n_predict\": 8}'": Case(r'"content":"(?:[^"\\]|\\.)*","tokens":\[\],"id_slot":-1,"stop":true'),
     # docs/train.md
     "python examples/online_learning.py --steps 3 --threads 1": Case(r"step 3: .*pushed version \d+; sample on "
                                                                      r"version \d+"),

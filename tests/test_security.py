@@ -22,6 +22,7 @@ import pytest
 import loramux as lm
 from loramux.engine.sampling import TextAssembler
 from loramux.server import LoraEntry, ServerSettings, ServerThread, create_app
+from loramux.server.logit_bias import MAX_LOGIT_BIAS
 
 KEY, ADMIN = "inference-key", "admin-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -304,7 +305,8 @@ def test_input_limits_are_400s_naming_the_parameter(tiny_model, adir):
         ("chat/completions", {**chat, "functions": [{"name": "f"}]}, "functions"),
         ("chat/completions", {**chat, "tool_choice": "auto"}, "tool_choice"),
         ("completions", {**comp, "n": 17}, "n"),
-        ("completions", {**comp, "logit_bias": {"50": 100}}, "logit_bias"),
+        ("completions", {**comp, "logit_bias": [[50, 1.0]] * (MAX_LOGIT_BIAS + 1)}, "logit_bias",
+         str(MAX_LOGIT_BIAS)),
         ("completions", {**comp, "lora": [{"name": "a"}] * (S.MAX_LORA_REFS + 1)}, "lora"),
         ("completions", {**comp, "top_k": 2**40}, "top_k"),
         ("completions", {**comp, "model": "m" * (S.MAX_NAME_CHARS + 1)}, "model"),

@@ -53,8 +53,12 @@ def base_shapes() -> dict[str, tuple[int, int]]:
     return {f"blk.{i}.{p}.weight": s for i in range(N_LAYER) for p, s in per.items()}
 
 
-def write_tiny_model(path: str | Path, seed: int = 0, chat_template: bool = True) -> Path:
-    """Write the tiny llama model (about 0.5 MB) and return its path."""
+FIM_TOKENS = {"pre": 4, "suf": 5, "mid": 6}  # with fim=True: three byte tokens marked as the FIM tokens
+
+
+def write_tiny_model(path: str | Path, seed: int = 0, chat_template: bool = True, fim: bool = False) -> Path:
+    """Write the tiny llama model (about 0.5 MB) and return its path. fim: mark FIM_TOKENS as the vocabulary's
+    fill-in-the-middle prefix, suffix and middle tokens."""
     rng = np.random.default_rng(seed)
     tokens, scores, types = vocab()
     V = len(tokens)
@@ -81,6 +85,9 @@ def write_tiny_model(path: str | Path, seed: int = 0, chat_template: bool = True
     w.add_add_eos_token(False)
     if chat_template:
         w.add_chat_template(CHAT_TEMPLATE)
+    if fim:
+        for name, tok in FIM_TOKENS.items():
+            w.add_uint32(f"tokenizer.ggml.fim_{name}_token_id", tok)
 
     def t(name: str, shape: tuple[int, ...], scale: float = 0.2) -> None:
         w.add_tensor(name, (rng.standard_normal(shape) * scale).astype(np.float32))

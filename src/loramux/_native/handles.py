@@ -171,6 +171,15 @@ class ModelHandle(Handle):
     def add_bos(self) -> bool:
         return bool(C.llama_vocab_get_add_bos(self.vocab))
 
+    @property
+    def fim_tokens(self) -> dict[str, int | None]:
+        """The vocabulary's fill-in-the-middle tokens ("pre", "suf", "mid", "rep", "sep"); None where absent."""
+        out: dict[str, int | None] = {}
+        for name in ("pre", "suf", "mid", "rep", "sep"):
+            t = int(getattr(C, f"llama_vocab_fim_{name}")(self.vocab))
+            out[name] = t if t >= 0 else None  # LLAMA_TOKEN_NULL is -1
+        return out
+
 
 def _load_mode_no_mmap() -> int:
     return int(getattr(C, "LLAMA_LOAD_MODE_NONE", 1))

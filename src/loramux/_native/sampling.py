@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -20,17 +21,21 @@ from .lib import C, grammar_log
 # --------------------------------------------------------------------------------------------
 
 class SamplerHandle(Handle):
-    """llama.cpp's sampler chain: penalties → top_k → top_p → min_p → temperature → dist (or greedy)."""
+    """llama.cpp's sampler chain: logit bias → penalties → top_k → top_p → min_p → temperature → dist (or
+    greedy)."""
 
     _free = staticmethod(C.llama_sampler_free)
 
     @classmethod
     def chain(cls, model: ModelHandle, *, temperature: float, top_k: int, top_p: float, min_p: float,
               repeat_penalty: float, repeat_last_n: int, frequency_penalty: float, presence_penalty: float,
-              seed: int) -> SamplerHandle:
+              seed: int, logit_bias: Sequence[tuple[int, float]] = ()) -> SamplerHandle:
         ch = C.llama_sampler_chain_init(C.llama_sampler_chain_default_params())
         h = cls(ch)
         add = lambda s: C.llama_sampler_chain_add(ch, s)  # noqa: E731 - the chain owns each sampler
+        if logit_bias:  # first, as llama.cpp's common sampler puts it: every later sampler sees the biased logits
+            arr = (C.llama_logit_bias * len(logit_bias))(*[C.llama_logit_bias(t, b) for t, b in logit_bias])
+            add(C.llama_sampler_init_logit_bias(model.n_vocab, len(logit_bias), arr))  # it copies the array
         if repeat_penalty != 1.0 or frequency_penalty or presence_penalty:
             add(_penalties(model, repeat_last_n, repeat_penalty, frequency_penalty, presence_penalty))
         if temperature <= 0:

@@ -121,6 +121,9 @@ def _security_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--allowed-hosts", action="append", default=[], metavar="NAME[,NAME...]",
                    help="Host headers to accept (name, name:port, *.domain, or * for any); "
                         "default: 127.0.0.1, localhost, ::1 and --host")
+    g.add_argument("--cors-origins", action="append", default=[], metavar="ORIGIN[,ORIGIN...]",
+                   help="browser origins (scheme://host[:port], or *) allowed to call the API cross-origin; "
+                        "preflights are answered before authentication (default: no CORS)")
     g.add_argument("--max-queue", type=int, default=None, metavar="N",
                    help="requests that may wait beyond the --parallel running ones; more get 429 "
                         "(default max(64, 8 × --parallel))")
@@ -186,7 +189,8 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         n_batch=args.n_batch, threads=args.threads, gpu_layers=args.gpu_layers,
         rpc=parse_endpoints(args.rpc, "--rpc") if args.rpc else None,
         api_key=_key(args, "api_key"), admin_api_key=_key(args, "admin_api_key"),
-        allowed_hosts=_hosts(args.allowed_hosts), max_queue=args.max_queue, max_connections=args.max_connections,
+        allowed_hosts=_hosts(args.allowed_hosts), cors_origins=_hosts(args.cors_origins),
+        max_queue=args.max_queue, max_connections=args.max_connections,
         read_timeout_s=args.read_timeout, keep_alive_s=args.keep_alive_timeout, write_timeout_s=args.write_timeout,
         public_metrics=args.public_metrics,
         adapter_dirs=tuple(base.adapter_dirs) + tuple(args.adapter_dir) if args.adapter_dir else None,

@@ -338,8 +338,9 @@ def unenforced(schema: Any, path: str = "$") -> list[str]:
         out.append(f"{path}: format {fmt!r} (enforced: {', '.join(sorted(_FORMATS))})")
     if "pattern" in schema and ({"minLength", "maxLength", "format"} & set(schema)):
         out.append(f"{path}: pattern together with minLength/maxLength/format")
-    if isinstance(schema.get("type"), list) and len(set(schema) & _ENFORCED) > 1:
-        out.append(f"{path}: a list of types together with other constraints (use anyOf)")
+    split = split_types(schema)
+    if split is not None:  # each type's branch carries that type's constraints
+        return out + unenforced(split, path)
     if "enum" in schema or "const" in schema:
         return out  # the values are literal: nothing under them needs checking
     out += _number_problems(schema, path)
@@ -353,6 +354,37 @@ def unenforced(schema: Any, path: str = "$") -> list[str]:
         if isinstance(schema.get(key), dict):
             out += unenforced(schema[key], f"{path}.{key}")
     return out
+
+
+# The keywords that constrain values of each JSON type (JSON Schema: a keyword of another type is vacuous).
+_TYPE_KEYWORDS = {
+    "string": {"minLength", "maxLength", "pattern", "format"},
+    "integer": {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"},
+    "number": {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"},
+    "array": {"items", "prefixItems", "minItems", "maxItems", "uniqueItems", "contains", "minContains",
+              "maxContains", "unevaluatedItems", "additionalItems"},
+    "object": {"properties", "required", "additionalProperties", "minProperties", "maxProperties",
+               "patternProperties", "propertyNames", "dependentRequired", "dependentSchemas",
+               "unevaluatedProperties"},
+    "boolean": set(), "null": set(),
+}
+
+
+def split_types(schema: dict[str, Any]) -> dict[str, Any] | None:
+    """A schema with a list of types (`{"type": ["string", "null"], "maxLength": 40}`, what OpenAI's strict
+    mode and pydantic's Optional fields produce) as an anyOf of one branch per type, each with the keywords
+    of its type, so the constraints are enforced; None when `schema` has no such list (or has an enum or a
+    const, which are literal values already)."""
+    types = schema.get("type")
+    if not isinstance(types, list) or "enum" in schema or "const" in schema:
+        return None
+    if not types or not all(isinstance(t, str) and t in _TYPE_KEYWORDS for t in types):
+        return None  # left to the converter, which names what it does not know
+    typed = set().union(*_TYPE_KEYWORDS.values())
+    common = {k: v for k, v in schema.items() if k != "type" and k not in typed}
+    branches = [{"type": t, **{k: v for k, v in schema.items() if k in _TYPE_KEYWORDS[t]}}
+                for t in dict.fromkeys(types)]
+    return {**common, "anyOf": branches} if "anyOf" not in common else {**common, "allOf": [{"anyOf": branches}]}
 
 
 def _number_problems(schema: dict[str, Any], path: str) -> list[str]:
@@ -477,6 +509,9 @@ class _Converter(N.SchemaConverter):  # type: ignore[misc]
             schema = {} if schema else {"not": {}}
         if not isinstance(schema, dict):
             raise GrammarError(self.param, f"a JSON schema must be an object, got {type(schema).__name__}")
+        split = split_types(schema)
+        if split is not None:
+            return self.visit(split, name)
         rule_name = name + "-" if name in N.GRAMMAR_RESERVED_NAMES else name or "root"
         t = schema.get("type")
         if t in ("integer", "number") and not ({"enum", "const"} & set(schema)) and not _number_problems(

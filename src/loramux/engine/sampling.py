@@ -31,19 +31,20 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N log-probabilities of each generated token (None: none; ≤ 20)
     prompt_logprobs: int | None = None  # the same for every prompt token (scoring; see scoring.py)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token, added to its logit) before sampling; -inf bans it
 
     @property
     def plain_greedy(self) -> bool:
         """Greedy with no penalties: a sampler chain would only pick the argmax."""
         return (self.temperature <= 0 and self.repeat_penalty == 1.0
-                and not self.frequency_penalty and not self.presence_penalty)
+                and not self.frequency_penalty and not self.presence_penalty and not self.logit_bias)
 
     def sampler_args(self) -> dict[str, Any]:
         """The keywords of llama.cpp's sampler chain (`_native.SamplerHandle.chain`)."""
         return {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p, "min_p": self.min_p,
                 "repeat_penalty": self.repeat_penalty, "repeat_last_n": self.repeat_last_n,
                 "frequency_penalty": self.frequency_penalty, "presence_penalty": self.presence_penalty,
-                "seed": self.seed}
+                "seed": self.seed, "logit_bias": self.logit_bias}
 
     def validate(self) -> SamplingParams:
         problems = []
@@ -59,6 +60,8 @@ class SamplingParams:
                 problems.append((name, f"must be a finite number ≥ 0, got {v}"))
         if not 0 <= self.top_p <= 1:
             problems.append(("top_p", "must be in [0, 1]"))
+        if any(math.isnan(b) or b == math.inf for _, b in self.logit_bias):
+            problems.append(("logit_bias", "biases must be numbers (or -inf, which bans the token)"))
         if any(not isinstance(s, str) or not s for s in self.stop):
             problems.append(("stop", "stop strings must be non-empty strings"))
         if problems:

@@ -60,6 +60,7 @@ class Request:
     slots: list[int] = field(default_factory=list)  # bank slots held while running
     text: TextAssembler | None = None
     first_token_at: float | None = None
+    cached: int = 0  # prompt tokens taken from a slot's KV cache instead of decoded (usage's cached_tokens)
     blocked_step: int | None = None  # decode step at which it first waited for bank slots
     blocked_at: float | None = None
     scoring: Scoring | None = None  # logprobs wanted (prompt and/or generated tokens; see scoring.py)
@@ -282,7 +283,7 @@ class Scheduler:
             elif keep == 0 or not self.ctx.handle.memory_seq_rm(seq, keep, -1):
                 self.ctx.handle.memory_seq_rm(seq, -1, -1)
                 keep = 0
-            r.seq, r.n_past = seq, keep
+            r.seq, r.n_past, r.cached = seq, keep, keep
             if not r.params.plain_greedy:  # plain greedy reads the argmax directly (see _sample)
                 r.sampler = N.SamplerHandle.chain(self.model.handle, **r.params.sampler_args())
             r.text = TextAssembler(r.params.stop)

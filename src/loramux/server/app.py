@@ -27,6 +27,7 @@ from ..engine.bank import bank_info
 from ..engine.runtime import Engine
 from ..sources import CancelToken
 from . import jobs, protocols, push, tokenize
+from .access import Cors
 from .config import ServerSettings
 from .errors import install_handlers
 from .guard import Guard, admin_routes, is_admin, uvicorn_config
@@ -60,11 +61,13 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, *, own_en
     app.state.lm = state
     install_handlers(app)
     _routes(app, state)
-    public = ("/health", "/metrics") if settings.public_metrics else ("/health",)
+    health = ("/health", "/v1/health")  # /v1/health: llama-server's alias (protocols/llama_server.py)
+    public = (*health, "/metrics") if settings.public_metrics else health
     app.add_middleware(Guard, api_key=settings.api_key, max_body=settings.max_body_bytes, public=public,
                        admin_api_key=settings.admin_api_key, admin=admin_routes(app.routes),
                        allowed_hosts=settings.host_allowlist(), max_upload=settings.max_upload_bytes)
-    app.add_middleware(VersionHeader)  # outermost: sees every response's start
+    app.add_middleware(VersionHeader)
+    app.add_middleware(Cors, origins=settings.cors_origins)  # outermost: preflights before the keys
     return app
 
 
@@ -88,7 +91,8 @@ def _routes(app: FastAPI, state: ServerState) -> None:
     async def metrics() -> Response:
         snapshot = state.snapshot()  # on the loop: the adapter table is the loop's alone
         body = await asyncio.to_thread(state.metrics.render, snapshot)  # rendering is the slow part
-        return Response(body, media_type=CONTENT_TYPE)
+        # llama-server's header: dashboards and exporters read the process start from it
+        return Response(body, media_type=CONTENT_TYPE, headers={"Process-Start-Time-Unix": str(state.started)})
 
     @app.get("/v1/models")
     async def models(http: HTTPRequest) -> dict[str, Any]:

@@ -13,6 +13,7 @@
     api_key_env = "LORAMUX_API_KEY"      # read the key from this variable (or api_key_file, api_key = "...")
     admin_api_key_file = "/run/secrets/loramux-admin"   # enables load/unload/global scales (off without it)
     allowed_hosts = ["llm.internal", "10.0.0.5"]         # Host headers accepted (default: loopback + host)
+    cors_origins = ["https://app.internal"]             # browser pages allowed cross-origin (default: none)
     max_queue = 32                       # waiting beyond the `parallel` running ones (default max(64, 8 × parallel))
     adapter_dirs = ["/adapters"]         # runtime loads by path only from here
     allow_remote_adapters = false
@@ -54,6 +55,7 @@ NAME_RULE = "1-128 characters: letters, digits and . _ - : @ + /, starting with 
 DEFAULT_MAX_ADAPTER_BYTES = 4 << 30
 KEY_RE = re.compile(r"^[\x21-\x7e]+$")  # what a client can send in 'Authorization: Bearer KEY'
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+CORS_ORIGIN_RE = re.compile(r"^[a-z][a-z0-9+.-]*://[^/\s?#]+$")  # an Origin header's form: no path, no query
 KEY_SOURCES = {"api_key": "LORAMUX_API_KEY", "admin_api_key": "LORAMUX_ADMIN_API_KEY"}  # key -> env variable
 
 
@@ -105,6 +107,7 @@ class ServerSettings:
     admin_api_key: str | None = field(default=None, repr=False)  # None: no endpoint changes server state
     allowed_hosts: tuple[str, ...] | None = None  # Host headers accepted; None: LOOPBACK_HOSTS + host
     public_metrics: bool = False  # /metrics without the API key (for scrapers such as the GIE endpoint picker)
+    cors_origins: tuple[str, ...] = ()  # browser origins allowed cross-origin ("*": any); () = no CORS (access.py)
     adapter_dirs: tuple[str, ...] = ()
     allow_remote_adapters: bool = False
     allow_private_networks: bool = False  # remote loads may reach loopback, link-local and private addresses
@@ -160,7 +163,7 @@ class ServerSettings:
         for k in sorted(set(data) - known):
             problems.append(f"unknown key {k!r} (known: {', '.join(sorted(known | {'lora', 'control_vector'}))})")
         kwargs = {k: v for k, v in data.items() if k in known}
-        for k in ("adapter_dirs", "allowed_hosts", "rpc"):
+        for k in ("adapter_dirs", "allowed_hosts", "rpc", "cors_origins"):
             if isinstance(kwargs.get(k), list):
                 kwargs[k] = tuple(str(d) for d in kwargs[k])
         if problems:
@@ -222,6 +225,9 @@ class ServerSettings:
         for h in self.allowed_hosts or ():
             if not h or any(c.isspace() for c in h) or "/" in h:
                 problems.append(f"allowed_hosts: {h!r} is not a host name, address or '*'")
+        for o in self.cors_origins:
+            if o != "*" and not CORS_ORIGIN_RE.match(o):
+                problems.append(f"cors_origins: {o!r} is not an origin (scheme://host[:port], no path) or '*'")
         if self.max_queue is not None and (not isinstance(self.max_queue, int) or self.max_queue < 0):
             problems.append(f"max_queue: must be an integer ≥ 0, got {self.max_queue!r}")
         if not isinstance(self.max_connections, int) or self.max_connections < 1:

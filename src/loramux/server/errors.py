@@ -45,8 +45,9 @@ class APIError(Exception):
 
     def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None,
                  type: str | None = None,  # noqa: A002 - OpenAI's field name
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None, extra: dict[str, Any] | None = None) -> None:
         super().__init__(message)
+        self.extra = dict(extra or {})  # more structured fields of the error object (n_prompt_tokens, n_ctx)
         self.status = status
         self.message = _utf8(message)
         self.code = code
@@ -55,7 +56,8 @@ class APIError(Exception):
         self.headers = dict(headers or {})
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code,
+                          **self.extra}}
 
     def response(self) -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else {}
@@ -85,6 +87,13 @@ def model_not_found(name: str, known: list[str]) -> APIError:
                     code="model_not_found", param="model")
 
 
+def context_length(message: str, n_prompt: int, n_ctx: int, param: str) -> APIError:
+    """A prompt that does not fit: OpenAI's code (`context_length_exceeded`, which its clients and LangChain
+    match) with llama-server's type and numbers (`exceed_context_size_error`, `n_prompt_tokens`, `n_ctx`)."""
+    return APIError(400, message, code="context_length_exceeded", param=param, type="exceed_context_size_error",
+                    extra={"n_prompt_tokens": n_prompt, "n_ctx": n_ctx})
+
+
 def from_exception(exc: BaseException) -> APIError:
     """Map any exception to an APIError (typed loramux errors keep their code and parameter)."""
     if isinstance(exc, APIError):
@@ -98,7 +107,7 @@ def from_exception(exc: BaseException) -> APIError:
     if isinstance(exc, FactorError):
         return APIError(400, str(exc), code=exc.code, param=exc.factor or "factors")
     if isinstance(exc, ContextLengthError):
-        return APIError(400, str(exc), code="context_length_exceeded", param="messages")
+        return context_length(str(exc), exc.n_tokens, exc.n_ctx, "messages")
     if isinstance(exc, ParameterError):
         return APIError(400, str(exc), code=exc.code, param=exc.parameter)
     if isinstance(exc, ScaleError):
@@ -168,4 +177,4 @@ def install_handlers(app: FastAPI) -> None:
         return from_exception(exc).response_for(r.url.path)
 
 
-__all__ = ["ERROR_SHAPES", "APIError", "from_exception", "install_handlers", "model_not_found", "validation_error"]
+__all__ = ["ERROR_SHAPES", "APIError", "context_length", "from_exception", "install_handlers", "model_not_found", "validation_error"]

@@ -24,7 +24,8 @@ from fastapi import Request as HTTPRequest
 from ..engine.grammar import ActiveGrammar
 from ..engine.sampling import StopMatcher
 from ..errors import GrammarError
-from .errors import APIError, from_exception
+from . import logit_bias
+from .errors import APIError, context_length, from_exception
 from .pool import Entry
 from .schemas import ChatRequest, CompletionRequest, SamplingFields
 from .state import ServerState, Ticket
@@ -76,18 +77,17 @@ class Job:
 def sampling_args(body: SamplingFields, n_prompt: int, n_ctx: int, chat: bool) -> dict[str, Any]:
     """Engine sampling settings for a request, with OpenAI's defaults and our bounds."""
     if n_prompt >= n_ctx:
-        raise APIError(400, f"this model's context holds {n_ctx} tokens per request, and the prompt alone has "
-                            f"{n_prompt}: shorten the prompt", code="context_length_exceeded",
-                       param="messages" if chat else "prompt")
+        raise context_length(f"this model's context holds {n_ctx} tokens per request, and the prompt alone has "
+                             f"{n_prompt}: shorten the prompt", n_prompt, n_ctx, "messages" if chat else "prompt")
     completion_limit = getattr(body, "max_completion_tokens", None)  # chat's newer name wins, 0 included
     limit_name = "max_tokens" if completion_limit is None else "max_completion_tokens"
     max_tokens = body.max_tokens if completion_limit is None else completion_limit
     if max_tokens is None:
         max_tokens = n_ctx - n_prompt if chat else 16
     if n_prompt + max_tokens > n_ctx:
-        raise APIError(400, f"this model's context holds {n_ctx} tokens per request; the prompt has {n_prompt} "
-                            f"and {limit_name} asks for {max_tokens} more: lower {limit_name} or shorten the "
-                            "prompt", code="context_length_exceeded", param=limit_name)
+        raise context_length(f"this model's context holds {n_ctx} tokens per request; the prompt has {n_prompt} "
+                             f"and {limit_name} asks for {max_tokens} more: lower {limit_name} or shorten the "
+                             "prompt", n_prompt, n_ctx, limit_name)
     temperature = 1.0 if body.temperature is None else body.temperature
     seed = body.seed if body.seed is not None else secrets.randbits(32)
     seed &= 0xFFFFFFFF
@@ -181,6 +181,8 @@ async def submit_job(state: ServerState, body: CompletionRequest | ChatRequest, 
     elif tokens is None:
         tokens = await prompt_tokens(state, body)
     sampling = {**sampling_args(body, len(tokens), state.engine.n_ctx, chat), **(extra or {})}
+    if body.logit_bias:
+        sampling["logit_bias"] = await asyncio.to_thread(logit_bias.resolve, state.engine, body.logit_bias)
     grammar = await asyncio.to_thread(constraint, state, body, plan)
     if sampling["stop"]:
         await asyncio.to_thread(StopMatcher.prepare, sampling["stop"])  # not on the engine thread

@@ -38,7 +38,14 @@ INFERENCE_ROUTES = frozenset({("POST", "/v1/completions"), ("POST", "/v1/chat/co
                               ("POST", "/api/embeddings"),
                               # Ollama's model management: refused by name whoever asks (no state changes)
                               ("POST", "/api/pull"), ("POST", "/api/push"), ("POST", "/api/create"),
-                              ("POST", "/api/copy"), ("DELETE", "/api/delete")})  # read-only, change nothing
+                              ("POST", "/api/copy"), ("DELETE", "/api/delete"),  # read-only, change nothing
+                              # llama-server's native routes and aliases (protocols/llama_server.py); its
+                              # POST /props and /slots/{id} answer 501 whoever asks
+                              ("POST", "/completion"), ("POST", "/completions"), ("POST", "/infill"),
+                              ("POST", "/chat/completions"), ("POST", "/apply-template"),
+                              ("POST", "/chat/completions/input_tokens"),
+                              ("POST", "/v1/chat/completions/input_tokens"), ("POST", "/props"),
+                              ("POST", "/slots/{id_slot}")})
 # Admin-plane uploads whose bodies are files, not JSON (a factor push's safetensors, a training file):
 # a browser form cannot carry the admin key, so the JSON-only rule's reason does not apply to them.
 UPLOAD_ROUTES = ((("PUT",), re.compile(r"/v1/adapters/[^/]+/factors")), (("POST",), re.compile(r"/v1/files")))

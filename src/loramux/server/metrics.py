@@ -13,6 +13,9 @@ protocol, so its reference endpoint picker (tuned to vLLM) works unchanged:
   (resident adapters: every one of them is ready to serve without a load, which is what the picker
   means by "loaded"), `waiting_lora_adapters` (adapters that queued requests wait for and that are
   not resident: being reloaded after an LRU eviction).
+
+and llama-server's `llamacpp:*` families (prompt and generated tokens and seconds, decode calls, requests
+processing and deferred, KV usage), so dashboards built for llama-server read loramux too.
 """
 
 from __future__ import annotations
@@ -88,10 +91,38 @@ class _LiveCollector:
              "out-of-range keys or values (see docs/server.md, 'Numeric safety').", "kv_clears"),
         ):
             yield CounterMetricFamily(name, doc, value=s.get(key, 0))
+        yield from _llamacpp(s)
         loads = CounterMetricFamily("loramux_adapter_loads", "Adapter loads at runtime.", labels=["result"])
         for result, n in s["loads"].items():
             loads.add_metric([result], n)
         yield loads
+
+
+def _llamacpp(s: dict[str, Any]) -> Iterator[Metric]:
+    """llama-server's families (what its Grafana dashboards read), from the same counts as loramux's own.
+    Throughputs are averages since start (llama-server averages between two scrapes)."""
+    prompt, cached, gen = s.get("prompt_tokens", 0), s.get("prompt_tokens_reused", 0), s.get("generated_tokens", 0)
+    t_prompt, t_gen = s.get("prompt_seconds", 0.0), s.get("predict_seconds", 0.0)
+    for name, doc, value in (
+        ("llamacpp:prompt_tokens", "Number of prompt tokens processed, excluding cached tokens", prompt - cached),
+        ("llamacpp:prompt_tokens_cached", "Number of prompt tokens reused from the cache", cached),
+        ("llamacpp:prompt_seconds", "Total time spent processing prompts", t_prompt),
+        ("llamacpp:tokens_predicted", "Number of generation tokens processed", gen),
+        ("llamacpp:tokens_predicted_seconds", "Total time spent generating tokens", t_gen),
+        ("llamacpp:n_decode", "Total number of llama_decode() calls", s.get("decode_steps", 0)),
+    ):
+        yield CounterMetricFamily(name, doc, value=value)
+    for name, doc, value in (
+        ("llamacpp:prompt_tokens_seconds", "Average prompt throughput in tokens/s",
+         (prompt - cached) / t_prompt if t_prompt > 0 else 0.0),
+        ("llamacpp:predicted_tokens_seconds", "Average generation throughput in tokens/s",
+         gen / t_gen if t_gen > 0 else 0.0),
+        ("llamacpp:requests_processing", "Number of requests processing", s["running"]),
+        ("llamacpp:requests_deferred", "Number of requests deferred", s["waiting"]),
+        ("llamacpp:kv_cache_usage_ratio", "KV-cache usage. 1 means 100 percent usage",
+         s["kv_used"] / s["kv_total"] if s["kv_total"] else 0.0),
+    ):
+        yield GaugeMetricFamily(name, doc, value=value)
 
 
 class Metrics:
@@ -111,7 +142,8 @@ class Metrics:
                               ["model"], buckets=LATENCY_BUCKETS, registry=r)
         self.queue_time = Histogram("loramux_request_queue_time_seconds", "Arrival to admission "
                                     "(submitted to the engine).", ["model"], buckets=LATENCY_BUCKETS, registry=r)
-        self._live = _LiveCollector(snapshot)
+        self.phase_seconds = {"prompt_seconds": 0.0, "predict_seconds": 0.0}  # llamacpp:* time totals
+        self._live = _LiveCollector(lambda: {**snapshot(), **self.phase_seconds})
         r.register(self._live)
         self._render_lock = threading.Lock()
         # every labelled metric, with its label names; the first one is the model or adapter name
@@ -124,11 +156,17 @@ class Metrics:
         """The Prometheus text. Safe from any thread when given a snapshot taken where the adapter table
         lives (the event loop): the server renders in a worker thread so scrapes never stall requests."""
         with self._render_lock:
-            self._live.taken = snapshot
+            self._live.taken = None if snapshot is None else {**snapshot, **self.phase_seconds}
             try:
                 return generate_latest(self.registry)
             finally:
                 self._live.taken = None
+
+    def add_phase_times(self, prompt_s: float, predict_s: float) -> None:
+        """Add a finished request's prompt time (arrival to first token) and generation time (first token to
+        the end) to the llamacpp:*_seconds totals. Called on the event loop only."""
+        self.phase_seconds["prompt_seconds"] += max(0.0, prompt_s)
+        self.phase_seconds["predict_seconds"] += max(0.0, predict_s)
 
     def forget(self, name: str) -> None:
         """Remove every series labelled with this model or adapter name (an adapter that was unloaded), so

@@ -15,6 +15,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from .llama_fields import LlamaFields
+
 # Input limits (docs/server.md, "Security"); each violation is a 400 naming the parameter.
 MAX_STOP = 16  # stop strings per request
 MAX_STOP_CHARS = 256  # characters per stop string
@@ -129,8 +131,8 @@ class StructuredOutputs(_Checked):
     structural_tag: Any = None
 
 
-class SamplingFields(_Checked):
-    """Fields shared by /v1/completions and /v1/chat/completions."""
+class SamplingFields(LlamaFields, _Checked):
+    """Fields shared by /v1/completions and /v1/chat/completions (and llama-server's: llama_fields.py)."""
 
     model: str | None = Field(default=None, max_length=MAX_NAME_CHARS)
     max_tokens: int | None = Field(default=None, ge=0)
@@ -146,7 +148,7 @@ class SamplingFields(_Checked):
     n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, Any] | list[Any] | None = None  # OpenAI's and llama-server's forms (logit_bias.py)
     user: str | None = Field(default=None, max_length=MAX_USER_CHARS)  # logged with the request
     metadata: dict[str, str] | None = None  # logged with the request (OpenAI's 16 pairs)
     store: bool | None = None  # loramux stores nothing: only false/null
@@ -195,11 +197,9 @@ class SamplingFields(_Checked):
 
     def unsupported(self) -> list[tuple[str, str]]:
         """(parameter, why) for every field set to something this server cannot do."""
-        out = []
+        out = self.llama_unsupported()
         if self.store:
             out.append(("store", "loramux does not store completions; send store: false or leave it out"))
-        if self.logit_bias:
-            out.append(("logit_bias", "logit_bias is not supported"))
         if self.guided_decoding_backend:
             out.append(("guided_decoding_backend", "loramux has one backend, llama.cpp's grammar sampler: drop it"))
         if self.guided_whitespace_pattern:
@@ -384,6 +384,9 @@ class ChatRequest(SamplingFields):
                                      "tool_choice"))
         if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
             out.append(("tool_choice", "needs tools"))
+        if self.continue_final_message and self.add_generation_prompt:
+            out.append(("continue_final_message", "cannot be true together with add_generation_prompt: one "
+                                                  "continues the last message, the other starts a new one"))
         return out
 
     def message_dicts(self) -> list[dict[str, Any]]:

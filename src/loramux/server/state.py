@@ -84,6 +84,8 @@ class ServerState:
         if first_token_at is not None:
             m.ttft.labels(label).observe(max(0.0, first_token_at - started))
         if generated_tokens is not None:
+            if first_token_at is not None:
+                m.add_phase_times(first_token_at - started, time.monotonic() - first_token_at)
             m.prompt_tokens.labels(label).inc(prompt_tokens)
             m.generation_tokens.labels(label).inc(generated_tokens)
 

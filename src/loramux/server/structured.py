@@ -1,4 +1,5 @@
-"""The constraint of a request: OpenAI's `response_format`, llama-server's `grammar` / `json_schema`, vLLM's
+"""The constraint of a request: OpenAI's `response_format` (and llama-server's `json_object` + `schema`),
+llama-server's `grammar` / `json_schema`, vLLM's
 `guided_*` and `structured_outputs`. At most one per request; each one honoured or a 400 naming it.
 
 Only OpenAI's `strict: true` makes a schema strict (keywords the grammar cannot enforce are a 400); the
@@ -43,7 +44,10 @@ def request_grammar(body: SamplingFields) -> G.Grammar | None:
     """The one grammar the request's constraint fields ask for, or None."""
     found: list[tuple[str, Callable[[], G.Grammar]]] = []
     rf = body.response_format
-    if rf is not None and rf.type == "json_object":
+    if rf is not None and rf.type == "json_object" and rf.schema_ is not None:  # llama-server's extension
+        found.append(("response_format", lambda: G.json_schema(rf.schema_ or {"type": "object"},
+                                                               param="response_format.schema", strict=False)))
+    elif rf is not None and rf.type == "json_object":
         found.append(("response_format", lambda: G.json_object("response_format")))
     if rf is not None and rf.type == "json_schema":
         schema, strict = response_schema(body)

@@ -25,6 +25,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ValidationError
 
+from ...engine.scoring import TokenLogprob
 from .. import generation
 from ..errors import APIError, from_exception, validation_error
 from ..generation import Job
@@ -67,6 +68,8 @@ class Result:
     started_ns: int = 0  # wall-clock duration of the request (Ollama reports it), nanoseconds
     first_token_ns: int | None = None  # from the start to the first token, nanoseconds
     versions: dict[str, int] = field(default_factory=dict)  # adapter name -> the content version it ran on
+    cached_tokens: int = 0  # prompt tokens reused from the KV cache (not decoded again)
+    logprobs: list[TokenLogprob] | None = None  # per generated token, when the request asked the engine for them
 
     @property
     def total_tokens(self) -> int:
@@ -87,7 +90,15 @@ class Finished:
     result: Result
 
 
-Event = TextDelta | Finished
+@dataclass(frozen=True)
+class TokenProbs:
+    """A generated token's log-probability and top alternatives, for requests that asked the engine for them
+    (llama-server's `n_probs`); it comes before the token's text."""
+
+    entry: TokenLogprob
+
+
+Event = TextDelta | TokenProbs | Finished
 
 
 @dataclass
@@ -114,7 +125,7 @@ def renamed(err: APIError, names: Mapping[str, str]) -> APIError:
     head = err.param.split(".")[0]
     message = re.sub(rf"\b{head}\b", names[head], err.message)
     return APIError(err.status, message, code=err.code, param=names[head] + err.param[len(head):], type=err.type,
-                    headers=err.headers)
+                    headers=err.headers, extra=err.extra)
 
 
 async def open_request(state: ServerState, body: Body, names: Mapping[str, str] | None = None) -> Opened:
@@ -162,6 +173,7 @@ def _result(job: Job, completion: Any, text: str, calls: list[Call]) -> Result:
     return Result(job.model, text, calls, finish, stop, len(job.prompt), len(completion.tokens),
                   tokens=list(completion.tokens), started_ns=int((now - job.started) * 1e9),
                   first_token_ns=None if first is None else int(max(0.0, first - job.started) * 1e9),
+                  cached_tokens=int(getattr(job.request, "cached", 0) or 0), logprobs=completion.logprobs,
                   versions=dict(getattr(completion, "versions", {})))
 
 
@@ -188,6 +200,8 @@ async def events(opened: Opened) -> AsyncIterator[Event]:
                 if value:
                     yield TextDelta(value)
                     await asyncio.sleep(0)  # see protocols/openai.stream: lets a disconnect be seen between chunks
+            elif kind == "logprobs":
+                yield TokenProbs(value)
             elif kind == "error":
                 err = from_exception(value)
                 job.finish(err.status)
@@ -230,5 +244,5 @@ def new_id(prefix: str) -> str:
     return prefix + secrets.token_hex(12)
 
 
-__all__ = ["Body", "Call", "Event", "EventStream", "Finished", "Opened", "Result", "TextDelta", "events", "internal",
+__all__ = ["Body", "Call", "Event", "EventStream", "Finished", "Opened", "Result", "TextDelta", "TokenProbs", "events", "internal",
            "new_id", "open_request", "prompt_size", "renamed", "result"]

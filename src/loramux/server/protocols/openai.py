@@ -19,6 +19,7 @@ from ..schemas import ChatRequest, CompletionRequest
 from ..state import ServerState
 from . import layer
 from .layer import Call, Finished, Opened, Result, TextDelta
+from .timings import SYSTEM_FINGERPRINT, generated, timings
 
 
 def add_routes(app: FastAPI, state: ServerState) -> None:
@@ -39,11 +40,27 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, http: HTTPRequest) -> Response:
+        _check_order(body)
         return await generate(http, body, chat=True)
 
 
-def _usage(r: Result) -> dict[str, int]:
-    return {"prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens, "total_tokens": r.total_tokens}
+def _check_order(body: ChatRequest) -> None:
+    """The message rules of OpenAI's chat (and llama-server's, which also serves it as /chat/completions):
+    every message but an assistant's has content, an assistant's has content or tool calls, and at most one
+    assistant message ends the list (the one continued)."""
+    for i, m in enumerate(body.messages):
+        if m.content is None and (m.role != "assistant" or not m.tool_calls):
+            raise APIError(400, f"messages.{i}: a {m.role} message needs content"
+                                + (" or tool_calls" if m.role == "assistant" else ""),
+                           code="invalid_request", param=f"messages.{i}.content")
+    if len(body.messages) >= 2 and body.messages[-1].role == body.messages[-2].role == "assistant":
+        raise APIError(400, "messages: at most one assistant message at the end (the one continued)",
+                       code="invalid_request", param="messages")
+
+
+def _usage(r: Result) -> dict[str, Any]:
+    return {"prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens, "total_tokens": r.total_tokens,
+            "prompt_tokens_details": {"cached_tokens": r.cached_tokens}}
 
 
 def _finish_reason(r: Result) -> str:
@@ -73,7 +90,8 @@ def _full_body(job: Job, r: Result) -> dict[str, Any]:
         obj, prefix = "text_completion", "cmpl-"
     _token_ids(job, r, choice)
     return {"id": prefix + job.id, "object": obj, "created": job.created, "model": job.model,
-            "choices": [choice], "usage": _usage(r), "adapter_versions": r.versions}
+            "system_fingerprint": SYSTEM_FINGERPRINT, "choices": [choice], "usage": _usage(r),
+            "timings": timings(job, r.completion_tokens, r.cached_tokens), "adapter_versions": r.versions}
 
 
 def _chunk(job: Job, text: str | None, reason: str | None = None, role: bool = False,
@@ -91,7 +109,8 @@ def _chunk(job: Job, text: str | None, reason: str | None = None, role: bool = F
     else:
         choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
         obj, prefix = "text_completion", "cmpl-"
-    return {"id": prefix + job.id, "object": obj, "created": job.created, "model": job.model, "choices": [choice]}
+    return {"id": prefix + job.id, "object": obj, "created": job.created, "model": job.model,
+            "system_fingerprint": SYSTEM_FINGERPRINT, "choices": [choice]}
 
 
 def _sse(obj: Any) -> str:
@@ -107,22 +126,32 @@ def _ending(job: Job, r: Result) -> Iterator[str]:
     last = _chunk(job, None if job.chat else "", reason=_finish_reason(r))
     _token_ids(job, r, last["choices"][0])
     last["adapter_versions"] = r.versions
-    yield _sse(last)
+    usage = None
     if job.body.stream_options is not None and job.body.stream_options.include_usage:
         prefix = "chatcmpl-" if job.chat else "cmpl-"
-        yield _sse({"id": prefix + job.id, "object": "chat.completion.chunk" if job.chat else "text_completion",
-                    "created": job.created, "model": job.model, "choices": [], "usage": _usage(r)})
+        usage = {"id": prefix + job.id, "object": "chat.completion.chunk" if job.chat else "text_completion",
+                 "created": job.created, "model": job.model, "system_fingerprint": SYSTEM_FINGERPRINT,
+                 "choices": [], "usage": _usage(r)}
+    (usage or last)["timings"] = timings(job, r.completion_tokens, r.cached_tokens)  # llama-server: the last one
+    yield _sse(last)
+    if usage is not None:
+        yield _sse(usage)
 
 
 async def stream(op: Opened) -> AsyncIterator[str]:
     """SSE in OpenAI's chunk format, ending with `data: [DONE]`. Leaving early cancels the request."""
     job = op.job
-    if job.chat:
-        yield _sse(_chunk(job, "", role=True))
+    if job.chat:  # the role first, content null (as OpenAI and llama-server send it)
+        first = _chunk(job, None, role=True)
+        first["choices"][0]["delta"]["content"] = None
+        yield _sse(first)
     try:
         async for ev in layer.events(op):
             if isinstance(ev, TextDelta):
-                yield _sse(_chunk(job, ev.text))
+                chunk = _chunk(job, ev.text)
+                if job.body.timings_per_token:
+                    chunk["timings"] = timings(job, generated(job))
+                yield _sse(chunk)
             elif isinstance(ev, Finished):
                 for line in _ending(job, ev.result):
                     yield line
