@@ -4,7 +4,9 @@ One HTTP request becomes a `Group` of engine requests (one per prompt and sequen
 back so they share decode steps (through the slot bank, whatever their adapters). The engine computes
 every log-probability on its own thread (engine/scoring.py); this module only shapes them:
 OpenAI's legacy completions `logprobs` object (`tokens`, `token_logprobs`, `top_logprobs`,
-`text_offset`), chat's `logprobs.content[]` with `bytes`, and vLLM's `prompt_logprobs`.
+`text_offset`), chat's `logprobs.content[]` with `bytes`, and vLLM's `prompt_logprobs`. A fan-out request
+(`adapter_sets`, server/fanout.py) is such a group too: one sub-request per adapter set, each choice
+labelled with its set (`adapter_set`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from .schemas import ChatRequest, CompletionRequest
 from .state import ServerState, Ticket
 from .tools import parse_calls
 
+#: A fan-out: the sub-request of each adapter set, and the set's label.
+Fan = tuple[list[CompletionRequest] | list[ChatRequest], list[str]]
 YIELD_EVERY = 64  # entries rendered between two hand-overs of the GIL (each has up to 21 alternatives)
 
 
@@ -82,6 +86,7 @@ class Group:
     prompt_texts: list[str] = field(default_factory=list)
     jobs: list[Job] = field(default_factory=list)
     extra_tickets: list[Ticket] = field(default_factory=list)  # its sequences' weight in the queue bound
+    sets: list[str] | None = None  # fan-out: the adapter set of each sub-request, named in its choices
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
     closed: bool = False
@@ -126,16 +131,21 @@ def _wanted(body: CompletionRequest | ChatRequest) -> tuple[int | None, int | No
     return prompt, gen
 
 
-async def _start(state: ServerState, body: CompletionRequest | ChatRequest, chat: bool) -> Group:
+async def _start(state: ServerState, body: CompletionRequest | ChatRequest, chat: bool,
+                 fan: Fan | None = None) -> Group:
     bad = body.unsupported()
     if bad:
         raise APIError(400, "; ".join(f"{p}: {why}" for p, why in bad), code="unsupported_parameter",
                        param=bad[0][0])
     ticket = state.admit()
     per = body.n if chat else max(body.n, body.best_of or 1)
-    group = Group(state, body, chat, body.model or state.base_name, ticket, time.monotonic(), per)
+    group = Group(state, body, chat, body.model or state.base_name, ticket, time.monotonic(), per,
+                  sets=None if fan is None else list(fan[1]))
     try:
-        subs = [body] if chat else [body.model_copy(update={"prompt": p}) for p in body.prompt_list()]
+        if fan is not None:
+            subs: list[Any] = list(fan[0])
+        else:
+            subs = [body] if chat else [body.model_copy(update={"prompt": p}) for p in body.prompt_list()]
         plan = None
         _weigh(group, len(subs) * per)
         for sub in subs:
@@ -197,10 +207,11 @@ def _check_scored(group: Group, k_prompt: int | None, k_gen: int | None) -> None
 
 
 async def respond(state: ServerState, http: HTTPRequest, body: CompletionRequest | ChatRequest,
-                  chat: bool) -> Response:
-    """Serve one scoring or fan-out request, as JSON or as SSE."""
+                  chat: bool, fan: Fan | None = None) -> Response:
+    """Serve one scoring or several-sequence request, as JSON or as SSE. `fan`: the sub-requests of a
+    fan-out over adapter sets and each one's label (server/fanout.py), run in place of the body's prompts."""
     with generation.counts_failure(state, body.model):
-        group = await _start(state, body, chat)
+        group = await _start(state, body, chat, fan)
     if body.stream:
         return _GroupStream(group)
     result = await _collect(group, http)
@@ -257,6 +268,8 @@ def _full_body(group: Group, completions: list[Completion], pieces: Pieces) -> d
         if body.return_token_ids:
             choice["token_ids"] = list(c.tokens)
             choice["prompt_token_ids"] = list(group.prompts[i])
+        if group.sets is not None:
+            choice["adapter_set"] = group.sets[i]
         choices.append(choice)
     n_prompt = sum(len(p) for p in group.prompts)
     n_gen = sum(len(c.tokens) for c in completions)
@@ -375,6 +388,8 @@ def _chunk(group: Group, index: int, text: str | None, entries: list[TokenLogpro
             st.offset += sum(pieces.width(e.token) for e in entries)
         choice = {"index": index, "text": text or "", "logprobs": lp, "finish_reason": reason}
         obj = "text_completion"
+    if group.sets is not None:
+        choice["adapter_set"] = group.sets[index // group.per_prompt]
     return _sse({"id": group.prefix + group.id, "object": obj, "created": group.created, "model": group.model,
                  "choices": [choice]})
 
@@ -502,4 +517,4 @@ class _GroupStream(StreamingResponse):
             self.group.finish(499)
 
 
-__all__ = ["Group", "Pieces", "handles", "legacy_entries", "respond"]
+__all__ = ["Fan", "Group", "Pieces", "handles", "legacy_entries", "respond"]
