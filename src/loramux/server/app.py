@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, Response
 from ..engine.bank import bank_info
 from ..engine.runtime import Engine
 from ..sources import CancelToken
-from . import protocols, tokenize
+from . import playground, protocols, tokenize
 from .config import ServerSettings
 from .errors import install_handlers
 from .guard import Guard, admin_routes, is_admin, uvicorn_config
@@ -60,6 +60,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, *, own_en
     install_handlers(app)
     _routes(app, state)
     public = ("/health", "/metrics") if settings.public_metrics else ("/health",)
+    public += playground.PUBLIC  # the page's static files: it asks for the key itself
     app.add_middleware(Guard, api_key=settings.api_key, max_body=settings.max_body_bytes, public=public,
                        admin_api_key=settings.admin_api_key, admin=admin_routes(app.routes),
                        allowed_hosts=settings.host_allowlist())
@@ -104,6 +105,7 @@ def _routes(app: FastAPI, state: ServerState) -> None:
 
     protocols.add_routes(app, state)  # chat/completions and the other protocols
     tokenize.add_routes(app, state)
+    playground.add_routes(app, state)  # GET /playground: the page (server/playground/)
     _adapter_routes(app, state)
 
 
