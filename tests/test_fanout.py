@@ -74,6 +74,15 @@ def test_fanout_one_at_a_time_equals_each_set_alone(tiny_model, adir):  # noqa: 
             texts[c["adapter_set"]] = texts.get(c["adapter_set"], "") + c["text"]
         assert texts == {c["adapter_set"]: c["text"] for c in body["choices"]}
 
+        chat = {"messages": [{"role": "user", "content": "hello world"}], "max_tokens": 8, "temperature": 0,
+                "ignore_eos": True, "return_token_ids": True}
+        r = _post(srv, "/v1/chat/completions", {**chat, "adapter_sets": SETS})
+        assert r.status_code == 200, r.text
+        alone = [_post(srv, "/v1/chat/completions", {**chat, "lora": s["lora"]}).json()["choices"][0]
+                 for s in SETS]
+        assert [c["token_ids"] for c in r.json()["choices"]] == [c["token_ids"] for c in alone]
+        assert [c["prompt_token_ids"] for c in r.json()["choices"]] == [c["prompt_token_ids"] for c in alone]
+
 
 def _bumped(path: Path, tmp: Path) -> Path:
     """The same adapter with every B scaled by (1 + 1e-7): the noise-floor twin."""

@@ -35,6 +35,7 @@ SHOTS = os.environ.get("LORAMUX_PLAYGROUND_SHOTS")
 sync_api = pytest.importorskip("playwright.sync_api")
 if not CHROMIUM.exists():
     pytest.skip("the browser tests need Debian's chromium (apt-get install chromium)", allow_module_level=True)
+sync_api.expect.set_options(timeout=TIMEOUT_MS)  # a busy 2-core machine: waits are for events, never timings
 
 
 def _free_port() -> int:

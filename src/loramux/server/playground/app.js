@@ -483,7 +483,7 @@ function chart(canvas, lines) {
   g.clearRect(0, 0, w, h);
   const max = Math.max(1e-9, ...lines.flatMap((l) => l.values));
   g.strokeStyle = "#d6dadf"; g.beginPath(); g.moveTo(0, h - 1); g.lineTo(w, h - 1); g.stroke();
-  g.fillStyle = "#5d6875"; g.font = "11px sans-serif"; g.fillText(max.toPrecision(3), 2, 11);
+  g.fillStyle = "#5d6875"; g.font = "11px sans-serif"; g.fillText(max > 1e-6 ? max.toPrecision(3) : "0", 2, 11);
   for (const l of lines) {
     g.strokeStyle = l.color; g.lineWidth = 2; g.beginPath();
     l.values.forEach((v, i) => {
