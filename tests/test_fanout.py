@@ -4,6 +4,10 @@ through the slot bank, on a real uvicorn and the tiny model (F32 weights)."""
 from __future__ import annotations
 
 import json
+import os
+import socket
+import subprocess
+import time
 from pathlib import Path
 
 import httpx
@@ -19,6 +23,7 @@ SETS = [{"name": "a", "lora": [{"name": "a", "scale": 1.0}]},
         {"lora": [{"name": "s2", "scale": 1.0}]}]
 STACKS = [{"a": 1.0}, {"b": 0.7, "s1": 1.0}, {}, {"s2": 1.0}]
 LABELS = ["a", "b+s1", "tiny", "s2:1"]
+DET = os.environ.get("LORAMUX_DET_PYTHON")  # llama.cpp without llamafile's sgemm (scripts/det-venv.sh)
 TOL_FLOORS = 32  # as tests/test_bank.py: a batched token within this many noise floors of the native argmax
 
 
@@ -179,3 +184,34 @@ def test_fanout_with_n_is_set_major(tiny_model, adir, n):  # noqa: F811
                                             "adapter_sets": [{"lora": []}, {"lora": [{"name": "a"}]}]})
         assert r.status_code == 200, r.text
         assert [c["adapter_set"] for c in r.json()["choices"]] == ["tiny"] * n + ["a:1"] * n
+
+
+@pytest.mark.skipif(not DET, reason="needs the LLAMAFILE=OFF build for deterministic mode with adapters "
+                                    "(set LORAMUX_DET_PYTHON; .ci/run builds one)")
+def test_fanout_in_deterministic_mode_equals_each_set_alone(tiny_model, adir):  # noqa: F811
+    """`loramux serve --deterministic` with 4 sequences and a 4-slot bank: the sets decoded together give
+    exactly the tokens of each request made alone."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    cmd = [DET, "-m", "loramux", "serve", str(tiny_model), "--deterministic", "--parallel", "4", "--slots", "4",
+           "--n-ctx", "512", "--threads", "1", "--port", str(port),
+           *(x for n in ("a", "b", "s1", "s2") for x in ("--lora", f"{n}={adir / (n + '.gguf')}"))]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    srv = type("Srv", (), {"url": f"http://127.0.0.1:{port}"})()
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
+            try:
+                if httpx.get(srv.url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        for prompt in ("the cat sat", "she ran to the mat"):
+            body = _fan(srv, prompt, 12)
+            assert [c["token_ids"] for c in body["choices"]] == [_solo(srv, prompt, s, 12) for s in STACKS]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)

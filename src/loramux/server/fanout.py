@@ -74,7 +74,7 @@ def plan(state: ServerState, body: Body) -> scoring.Fan:
                                 "each set a distinct name", code="invalid_request", param=f"adapter_sets[{k}].name")
         seen[name] = k
     subs = [body.model_copy(update={"model": None, "lora": list(s.lora), "adapter_sets": None}) for s in sets]
-    return subs, labels  # type: ignore[return-value]  # one kind of request, as the body
+    return subs, labels
 
 
 async def respond(state: ServerState, http: HTTPRequest, body: Body, chat: bool) -> Response:

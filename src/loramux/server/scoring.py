@@ -15,7 +15,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +32,7 @@ from .state import ServerState, Ticket
 from .tools import parse_calls
 
 #: A fan-out: the sub-request of each adapter set, and the set's label.
-Fan = tuple[list[CompletionRequest] | list[ChatRequest], list[str]]
+Fan = tuple[Sequence[CompletionRequest | ChatRequest], Sequence[str]]
 YIELD_EVERY = 64  # entries rendered between two hand-overs of the GIL (each has up to 21 alternatives)
 
 
