@@ -154,6 +154,7 @@ def test_page_is_served_public_small_and_locked_down(server):
             assert not re.search(r"https?://(?!127)", r.text.split("placeholder")[0]), path
     assert total < 300_000, total
     assert httpx.get(server["url"] + "/playground/api/adapters").status_code == 401
+    assert httpx.get(server["url"] + "/playground", headers={"Host": "evil.example"}).status_code == 421
     assert httpx.get(server["url"] + "/", headers={"Authorization": f"Bearer {KEY}"}).text == "Ollama is running"
 
 

@@ -60,10 +60,9 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, *, own_en
     install_handlers(app)
     _routes(app, state)
     public = ("/health", "/metrics") if settings.public_metrics else ("/health",)
-    public += playground.PUBLIC  # the page's static files: it asks for the key itself
     app.add_middleware(Guard, api_key=settings.api_key, max_body=settings.max_body_bytes, public=public,
                        admin_api_key=settings.admin_api_key, admin=admin_routes(app.routes),
-                       allowed_hosts=settings.host_allowlist())
+                       allowed_hosts=settings.host_allowlist(), keyless=playground.PUBLIC)
     return app
 
 

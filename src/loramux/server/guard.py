@@ -101,12 +101,13 @@ class Guard:
 
     def __init__(self, app: Any, api_key: str | None, max_body: int, public: tuple[str, ...] = ("/health",),
                  *, admin_api_key: str | None = None, admin: frozenset[tuple[str, str]] = frozenset(),
-                 allowed_hosts: Iterable[str] = ("*",)) -> None:
+                 allowed_hosts: Iterable[str] = ("*",), keyless: tuple[str, ...] = ()) -> None:
         self.app = app
         self.key = api_key.encode() if api_key else None
         self.admin_key = admin_api_key.encode() if admin_api_key else None
         self.max_body = max_body
         self.public = public
+        self.keyless = keyless  # without the key, but only under an allowed Host (the playground's files)
         self.admin = admin
         self.hosts = HostCheck(tuple(allowed_hosts))
 
@@ -164,7 +165,7 @@ class Guard:
                     return APIError(403, why + " (the --admin-api-key, not the --api-key)",
                                     code="admin_key_required")
                 return APIError(401, why, code="invalid_api_key")
-        elif not public and self.key is not None and not (inference or admin):
+        elif not public and path not in self.keyless and self.key is not None and not (inference or admin):
             return _unauthorized()
         if method in BODY_METHODS:
             ctype = headers.get(b"content-type", b"").split(b";")[0].strip().lower()

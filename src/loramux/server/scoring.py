@@ -159,20 +159,44 @@ async def _start(state: ServerState, body: CompletionRequest | ChatRequest, chat
                 state.engine.detokenize, group.prompts[-1]))
         k_prompt, k_gen = _wanted(body)
         _check_scored(group, k_prompt, k_gen)
-        for sub, toks in zip(subs, group.prompts):
-            for j in range(per):
-                extra: dict[str, Any] = {"logprobs": k_gen, "prompt_logprobs": k_prompt}
-                if j:  # the sequences of one prompt share its KV (the engine decodes it once)
-                    extra["share"] = group.jobs[-j].request
-                if body.seed is not None:
-                    seed = (body.seed + j) & 0xFFFFFFFF  # each sequence its own, reproducible, seed
-                    extra["seed"] = seed - (seed == 0xFFFFFFFF)  # llama.cpp reads that one as "random"
-                group.jobs.append(await generation.submit_job(state, sub, chat, None, tokens=toks, extra=extra,
-                                                              plan=plan))
+        await _submit(group, subs, plan, k_prompt, k_gen)
     except BaseException:
         group.finish(499, record=False)  # respond() records the failure
         raise
     return group
+
+
+async def _submit(group: Group, subs: Sequence[CompletionRequest | ChatRequest], plan: Any,
+                  k_prompt: int | None, k_gen: int | None) -> None:
+    """Hand every sequence to the engine, into `group.jobs` in choice order (prompt-major). The first
+    sequence of every prompt (or adapter set) is submitted at once, concurrently, so that the engine admits
+    them between the same two decode steps and decodes them together from the first step (one at a time,
+    each submit would wait for a step of the ones before it); the other sequences of a prompt then share
+    its KV (the engine decodes the prompt once)."""
+    body, per = group.body, group.per_prompt
+    grid: list[list[Job | None]] = [[None] * per for _ in subs]
+
+    def extra(j: int) -> dict[str, Any]:
+        out: dict[str, Any] = {"logprobs": k_gen, "prompt_logprobs": k_prompt}
+        if body.seed is not None:
+            seed = (body.seed + j) & 0xFFFFFFFF  # each sequence its own, reproducible, seed
+            out["seed"] = seed - (seed == 0xFFFFFFFF)  # llama.cpp reads that one as "random"
+        return out
+
+    async def one(i: int, j: int) -> None:
+        x = extra(j)
+        if j:
+            x["share"] = grid[i][0].request  # type: ignore[union-attr]  # submitted in the first round
+        grid[i][j] = await generation.submit_job(group.state, subs[i], group.chat, None, tokens=group.prompts[i],
+                                                 extra=x, plan=plan)
+    try:
+        for j in range(per):
+            results = await asyncio.gather(*(one(i, j) for i in range(len(subs))), return_exceptions=True)
+            failed = [r for r in results if isinstance(r, BaseException)]
+            if failed:
+                raise failed[0]
+    finally:  # every job submitted is the group's, to be finished with it, also when another failed
+        group.jobs.extend(job for row in grid for job in row if job is not None)
 
 
 def _weigh(group: Group, sequences: int) -> None:

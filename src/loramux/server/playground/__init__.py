@@ -2,11 +2,12 @@
 adapter sets side by side on one prompt (fan-out), see what the server holds and its live metrics.
 
 The page is three static files in this package (index.html, app.js, app.css: vanilla JavaScript, no build
-step, nothing fetched from elsewhere). They are public like /health, so a browser can open the page before
-it has a key; everything the page then asks for goes through the API with the key the user types, sent as
-a header and kept in the tab's memory only. Every asset is sent with a Content-Security-Policy that allows
-scripts and styles from this origin alone (no inline script, no other origin, no framing), and the page
-shows model text with `textContent` only, so markup in an answer is shown, never run.
+step, nothing fetched from elsewhere). They need no key (an allowed Host still, as on every route), so a
+browser can open the page before it has one; everything the page then asks for goes through the API with
+the key the user types, sent as a header and kept in the tab's memory only. Every asset is sent with a
+Content-Security-Policy that allows scripts and styles from this origin alone (no inline script, no other
+origin, no framing), and the page shows model text with `textContent` only: markup in an answer is shown,
+never run.
 
 `GET /playground/api/adapters` (API key) lists each adapter with what the page's Adapters view shows:
 source, rank, targets, size, sha256, residency tier, pinned, requests and tokens served.
@@ -32,7 +33,8 @@ HEADERS = {"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff", 
            "X-Frame-Options": "DENY", "Cache-Control": "no-cache"}
 ASSETS = {"index.html": "text/html; charset=utf-8", "app.js": "text/javascript; charset=utf-8",
           "app.css": "text/css; charset=utf-8"}
-#: The page's paths, answered without the API key (static files: the page asks for the key itself).
+#: The page's paths, answered without the API key under an allowed Host (static files: the page asks for
+#: the key itself).
 PUBLIC = (ROUTE, ROUTE + "/", *(f"{ROUTE}/{name}" for name in ASSETS if name != "index.html"))
 
 
