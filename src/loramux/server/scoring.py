@@ -464,7 +464,10 @@ async def _events(group: Group, pieces: Pieces, states: list[_Choice]
                 if not value:
                     continue
             entries, st.pending = st.pending, []
-            yield await asyncio.to_thread(_chunk, group, k, value, entries, pieces, st)
+            if entries:  # token texts from llama.cpp: off the event loop
+                yield await asyncio.to_thread(_chunk, group, k, value, entries, pieces, st)
+            else:  # text alone (fan-out without logprobs): no thread hop per chunk, as a single stream
+                yield _chunk(group, k, value, entries, pieces, st)
             await asyncio.sleep(0)  # see protocols/openai.stream: lets a disconnect be seen between chunks
         elif kind == "error":
             raise value
