@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from test_server import adir, errbody, serving  # noqa: F401 - adir is a fixture
+from test_server import adir, client, errbody, serving  # noqa: F401 - adir is a fixture
 
 from loramux.gguf_io import read_adapter_factors, validate_adapter, write_adapter
 
@@ -148,6 +148,19 @@ def test_fanout_chat_stream_names_sets_and_logprobs(tiny_model, adir):  # noqa: 
         assert roles == {0, 1, 2}
         assert set(tokens) == {0, 1, 2} and all(1 <= v <= 6 for v in tokens.values()), tokens  # EOG: no entry
         assert chunks[-1]["usage"]["completion_tokens"] == 18
+
+        # the official client reads a fan-out as choices with an extra field, streamed or not
+        c = client(srv)
+        msgs = [{"role": "user", "content": "hello world"}]
+        full = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, temperature=0,
+                                         extra_body={"adapter_sets": SETS[:3]})
+        assert [ch.model_extra["adapter_set"] for ch in full.choices] == LABELS[:3]
+        got: dict[str, str] = {}
+        for chunk in c.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, temperature=0, stream=True,
+                                               extra_body={"adapter_sets": SETS[:3]}):
+            for ch in chunk.choices:
+                got[ch.model_extra["adapter_set"]] = got.get(ch.model_extra["adapter_set"], "") + (ch.delta.content or "")
+        assert got == {ch.model_extra["adapter_set"]: ch.message.content for ch in full.choices}
 
 
 def test_fanout_refusals_name_the_field(tiny_model, adir):  # noqa: F811
