@@ -111,6 +111,10 @@ COMMANDS: dict[str, Case] = {
     "curl http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' -d '{\"model\": "
     "\"pirate\", \"messages\": [{\"role\": \"user\", \"content\": \"Hello!\"}], \"max_tokens\": 16}'":
         Case(r'"model":\s*"pirate"'),
+    "curl http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' -d '{\"messages\": "
+    "[{\"role\": \"user\", \"content\": \"Hello!\"}], \"max_tokens\": 16, \"adapter_sets\": [{\"lora\": []}, "
+    "{\"name\": \"pirate\", \"lora\": [{\"name\": \"pirate\", \"scale\": 0.8}]}]}'":
+        Case(r'"adapter_set":"[^"]+"[\s\S]*"adapter_set":"pirate"'),
     "loramux serve --host 0.0.0.0 --allowed-hosts llm.internal,10.0.0.5 --api-key-file key.txt "
     "--admin-api-key-file admin-key.txt --adapter-dir ./adapters --max-queue 32 --write-timeout 10":
         Case(r"admin:   on"),

@@ -256,6 +256,8 @@ def welcome(settings: Any, base: str, adapters: list[str]) -> str:
         f"  models:  {models}",
         f"  try:     curl {url}/v1/chat/completions{auth} -H 'Content-Type: application/json' -d '{body}'",
         f"  clients: any OpenAI client with base_url={url}/v1 and model=<one of the models>",
+        f"  page:    {url}/playground (chat with an adapter stack, compare adapters side by side, what the server "
+        "holds)",
         f"  admin:   {admin}",
         "  help:    loramux serve --help (adapters per request, admin plane, limits); Ctrl-C stops"])
 

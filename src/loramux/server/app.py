@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, Response
 from ..engine.bank import bank_info
 from ..engine.runtime import Engine
 from ..sources import CancelToken
-from . import jobs, protocols, push, tokenize
+from . import jobs, playground, protocols, push, tokenize
 from .access import Cors
 from .config import ServerSettings
 from .errors import install_handlers
@@ -65,7 +65,8 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, *, own_en
     public = (*health, "/metrics") if settings.public_metrics else health
     app.add_middleware(Guard, api_key=settings.api_key, max_body=settings.max_body_bytes, public=public,
                        admin_api_key=settings.admin_api_key, admin=admin_routes(app.routes),
-                       allowed_hosts=settings.host_allowlist(), max_upload=settings.max_upload_bytes)
+                       allowed_hosts=settings.host_allowlist(), max_upload=settings.max_upload_bytes,
+                       keyless=playground.PUBLIC)
     app.add_middleware(VersionHeader)
     app.add_middleware(Cors, origins=settings.cors_origins)  # outermost: preflights before the keys
     return app
@@ -110,6 +111,7 @@ def _routes(app: FastAPI, state: ServerState) -> None:
 
     protocols.add_routes(app, state)  # chat/completions and the other protocols
     tokenize.add_routes(app, state)
+    playground.add_routes(app, state)  # GET /playground: the page (server/playground/)
     _adapter_routes(app, state)
     push.add_routes(app, state)  # factor pushes (admin plane)
     app.state.jobs = jobs.install(app, state)  # training files and fine-tuning jobs (admin plane)

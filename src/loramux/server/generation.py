@@ -67,6 +67,9 @@ class Job:
         if self.ticket is not None:
             self.ticket.release()
         self.state.pool.release(self.entries)
+        if completion is not None:  # per adapter, also for the sequences of a group (recorded as one request)
+            for e in self.entries:
+                self.state.metrics.adapter_tokens.labels(e.name).inc(len(completion.tokens))
         if record:
             self.state.record(self.model, status, started=self.started,
                               first_token_at=getattr(self.request, "first_token_at", None),

@@ -125,7 +125,8 @@ class Guard:
 
     def __init__(self, app: Any, api_key: str | None, max_body: int, public: tuple[str, ...] = ("/health",),
                  *, admin_api_key: str | None = None, admin: frozenset[tuple[str, str]] = frozenset(),
-                 allowed_hosts: Iterable[str] = ("*",), max_upload: int | None = None) -> None:
+                 allowed_hosts: Iterable[str] = ("*",), max_upload: int | None = None,
+                 keyless: tuple[str, ...] = ()) -> None:
         self.app = app
         self.max_upload = max_body if max_upload is None else max_upload
         self.admin_templates = [(m, _template(p)) for m, p in admin if "{" in p]
@@ -133,6 +134,7 @@ class Guard:
         self.admin_key = admin_api_key.encode() if admin_api_key else None
         self.max_body = max_body
         self.public = public
+        self.keyless = keyless  # without the key, but only under an allowed Host (the playground's files)
         self.admin = admin
         self.hosts = HostCheck(tuple(allowed_hosts))
 
@@ -191,7 +193,7 @@ class Guard:
                     return APIError(403, why + " (the --admin-api-key, not the --api-key)",
                                     code="admin_key_required")
                 return APIError(401, why, code="invalid_api_key")
-        elif not public and self.key is not None and not (inference or admin):
+        elif not public and path not in self.keyless and self.key is not None and not (inference or admin):
             return _unauthorized()
         if method in BODY_METHODS and not is_upload(method, path):
             ctype = headers.get(b"content-type", b"").split(b";")[0].strip().lower()

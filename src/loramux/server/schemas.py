@@ -5,7 +5,8 @@ field is a 400 (`extra="forbid"`), and a known field set to something this serve
 refused by `unsupported()`. Fields that clients send back as null or empty (an assistant message's
 `refusal`, `annotations`, `audio`, `function_call`) are accepted only so. Extensions, as in
 llama-server and vLLM: `lora` (per-request adapter stack), `control_vector`, `top_k`, `min_p`,
-`repeat_penalty`, `ignore_eos`, `return_token_ids`, `prompt_logprobs` (docs/scoring.md).
+`repeat_penalty`, `ignore_eos`, `return_token_ids`, `prompt_logprobs` (docs/scoring.md), `adapter_sets`
+(fan-out: one result per adapter set, docs/server.md).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ MAX_INT32 = 2**31 - 1  # what llama.cpp's sampler takes for top_k
 MAX_TOP_LOGPROBS = 20  # logprobs / top_logprobs / prompt_logprobs alternatives per token (OpenAI's bound)
 MAX_PROMPTS = 64  # prompts of one /v1/completions request
 MAX_N = 16  # n and best_of
+MAX_ADAPTER_SETS = MAX_N  # entries of `adapter_sets` (fan-out, server/fanout.py): bounded like n
 MAX_CHOICES = 128  # sequences one request may run: prompts × best_of (or n)
 MAX_METADATA = 16  # OpenAI's limits for `metadata`: 16 pairs, keys ≤ 64 and values ≤ 512 characters
 MAX_METADATA_KEY, MAX_METADATA_VALUE = 64, 512
@@ -82,6 +84,14 @@ class LoraRef(_Body):
         if (self.name is None) == (self.id is None):
             raise ValueError("each lora entry needs exactly one of 'name' or 'id'")
         return self
+
+
+class AdapterSet(_Body):
+    """One entry of `adapter_sets` (fan-out): an adapter stack with scales, `lora: []` the base alone;
+    `name` labels its results (default: the stack written as `a:0.5+b:1`, or the base model's name)."""
+
+    name: str | None = Field(default=None, min_length=1, max_length=MAX_NAME_CHARS)
+    lora: list[LoraRef] = Field(default_factory=list, max_length=MAX_LORA_REFS)
 
 
 class ControlRef(_Body):
@@ -155,6 +165,7 @@ class SamplingFields(LlamaFields, _Checked):
     ignore_eos: bool = False
     return_token_ids: bool = False
     lora: list[LoraRef] | None = Field(default=None, max_length=MAX_LORA_REFS)
+    adapter_sets: list[AdapterSet] | None = Field(default=None, min_length=1, max_length=MAX_ADAPTER_SETS)
     control_vector: ControlRef | None = None
     # constrained output (server/structured.py): at most one of these per request
     response_format: ResponseFormat | None = None
@@ -468,9 +479,9 @@ class AdapterScale(_Body):
     scale: float = 0.0
 
 
-__all__ = ["MAX_CHOICES", "MAX_CONTENT_CHARS", "MAX_CONTENT_PARTS", "MAX_DETOKENIZE", "MAX_LORA_REFS", "MAX_MESSAGES",
+__all__ = ["MAX_ADAPTER_SETS", "MAX_CHOICES", "MAX_CONTENT_CHARS", "MAX_CONTENT_PARTS", "MAX_DETOKENIZE", "MAX_LORA_REFS", "MAX_MESSAGES",
            "MAX_N", "MAX_NAME_CHARS", "MAX_PROMPTS", "MAX_PROMPT_CHARS", "MAX_STOP", "MAX_STOP_CHARS", "MAX_STRENGTH",
-           "MAX_TOOLS", "MAX_TOOL_CALLS", "MAX_TOP_LOGPROBS", "AdapterScale", "ChatMessage", "ChatRequest",
+           "MAX_TOOLS", "MAX_TOOL_CALLS", "MAX_TOP_LOGPROBS", "AdapterScale", "AdapterSet", "ChatMessage", "ChatRequest",
            "CompletionRequest", "ControlRef", "DetokenizeRequest", "FunctionCall", "FunctionDef", "JsonSchemaFormat",
            "NamedToolChoice", "ResponseFormat", "StructuredOutputs", "TokenizeRequest", "Tool", "ToolCall",
            "LoadAdapterRequest", "LoraRef", "SamplingFields", "StreamOptions", "UnloadAdapterRequest"]

@@ -4,7 +4,9 @@ One HTTP request becomes a `Group` of engine requests (one per prompt and sequen
 back so they share decode steps (through the slot bank, whatever their adapters). The engine computes
 every log-probability on its own thread (engine/scoring.py); this module only shapes them:
 OpenAI's legacy completions `logprobs` object (`tokens`, `token_logprobs`, `top_logprobs`,
-`text_offset`), chat's `logprobs.content[]` with `bytes`, and vLLM's `prompt_logprobs`.
+`text_offset`), chat's `logprobs.content[]` with `bytes`, and vLLM's `prompt_logprobs`. A fan-out request
+(`adapter_sets`, server/fanout.py) is such a group too: one sub-request per adapter set, each choice
+labelled with its set (`adapter_set`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +31,8 @@ from .schemas import ChatRequest, CompletionRequest
 from .state import ServerState, Ticket
 from .tools import parse_calls
 
+#: A fan-out: the sub-request of each adapter set, and the set's label.
+Fan = tuple[Sequence[CompletionRequest | ChatRequest], Sequence[str]]
 YIELD_EVERY = 64  # entries rendered between two hand-overs of the GIL (each has up to 21 alternatives)
 
 
@@ -82,6 +86,7 @@ class Group:
     prompt_texts: list[str] = field(default_factory=list)
     jobs: list[Job] = field(default_factory=list)
     extra_tickets: list[Ticket] = field(default_factory=list)  # its sequences' weight in the queue bound
+    sets: list[str] | None = None  # fan-out: the adapter set of each sub-request, named in its choices
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
     closed: bool = False
@@ -126,16 +131,21 @@ def _wanted(body: CompletionRequest | ChatRequest) -> tuple[int | None, int | No
     return prompt, gen
 
 
-async def _start(state: ServerState, body: CompletionRequest | ChatRequest, chat: bool) -> Group:
+async def _start(state: ServerState, body: CompletionRequest | ChatRequest, chat: bool,
+                 fan: Fan | None = None) -> Group:
     bad = body.unsupported()
     if bad:
         raise APIError(400, "; ".join(f"{p}: {why}" for p, why in bad), code="unsupported_parameter",
                        param=bad[0][0])
     ticket = state.admit()
     per = body.n if chat else max(body.n, body.best_of or 1)
-    group = Group(state, body, chat, body.model or state.base_name, ticket, time.monotonic(), per)
+    group = Group(state, body, chat, body.model or state.base_name, ticket, time.monotonic(), per,
+                  sets=None if fan is None else list(fan[1]))
     try:
-        subs = [body] if chat else [body.model_copy(update={"prompt": p}) for p in body.prompt_list()]
+        if fan is not None:
+            subs: list[Any] = list(fan[0])
+        else:
+            subs = [body] if chat else [body.model_copy(update={"prompt": p}) for p in body.prompt_list()]
         plan = None
         _weigh(group, len(subs) * per)
         for sub in subs:
@@ -149,20 +159,44 @@ async def _start(state: ServerState, body: CompletionRequest | ChatRequest, chat
                 state.engine.detokenize, group.prompts[-1]))
         k_prompt, k_gen = _wanted(body)
         _check_scored(group, k_prompt, k_gen)
-        for sub, toks in zip(subs, group.prompts):
-            for j in range(per):
-                extra: dict[str, Any] = {"logprobs": k_gen, "prompt_logprobs": k_prompt}
-                if j:  # the sequences of one prompt share its KV (the engine decodes it once)
-                    extra["share"] = group.jobs[-j].request
-                if body.seed is not None:
-                    seed = (body.seed + j) & 0xFFFFFFFF  # each sequence its own, reproducible, seed
-                    extra["seed"] = seed - (seed == 0xFFFFFFFF)  # llama.cpp reads that one as "random"
-                group.jobs.append(await generation.submit_job(state, sub, chat, None, tokens=toks, extra=extra,
-                                                              plan=plan))
+        await _submit(group, subs, plan, k_prompt, k_gen)
     except BaseException:
         group.finish(499, record=False)  # respond() records the failure
         raise
     return group
+
+
+async def _submit(group: Group, subs: Sequence[CompletionRequest | ChatRequest], plan: Any,
+                  k_prompt: int | None, k_gen: int | None) -> None:
+    """Hand every sequence to the engine, into `group.jobs` in choice order (prompt-major). The first
+    sequence of every prompt (or adapter set) is submitted at once, concurrently, so that the engine admits
+    them between the same two decode steps and decodes them together from the first step (one at a time,
+    each submit would wait for a step of the ones before it); the other sequences of a prompt then share
+    its KV (the engine decodes the prompt once)."""
+    body, per = group.body, group.per_prompt
+    grid: list[list[Job | None]] = [[None] * per for _ in subs]
+
+    def extra(j: int) -> dict[str, Any]:
+        out: dict[str, Any] = {"logprobs": k_gen, "prompt_logprobs": k_prompt}
+        if body.seed is not None:
+            seed = (body.seed + j) & 0xFFFFFFFF  # each sequence its own, reproducible, seed
+            out["seed"] = seed - (seed == 0xFFFFFFFF)  # llama.cpp reads that one as "random"
+        return out
+
+    async def one(i: int, j: int) -> None:
+        x = extra(j)
+        if j:
+            x["share"] = grid[i][0].request  # type: ignore[union-attr]  # submitted in the first round
+        grid[i][j] = await generation.submit_job(group.state, subs[i], group.chat, None, tokens=group.prompts[i],
+                                                 extra=x, plan=plan)
+    try:
+        for j in range(per):
+            results = await asyncio.gather(*(one(i, j) for i in range(len(subs))), return_exceptions=True)
+            failed = [r for r in results if isinstance(r, BaseException)]
+            if failed:
+                raise failed[0]
+    finally:  # every job submitted is the group's, to be finished with it, also when another failed
+        group.jobs.extend(job for row in grid for job in row if job is not None)
 
 
 def _weigh(group: Group, sequences: int) -> None:
@@ -197,10 +231,11 @@ def _check_scored(group: Group, k_prompt: int | None, k_gen: int | None) -> None
 
 
 async def respond(state: ServerState, http: HTTPRequest, body: CompletionRequest | ChatRequest,
-                  chat: bool) -> Response:
-    """Serve one scoring or fan-out request, as JSON or as SSE."""
+                  chat: bool, fan: Fan | None = None) -> Response:
+    """Serve one scoring or several-sequence request, as JSON or as SSE. `fan`: the sub-requests of a
+    fan-out over adapter sets and each one's label (server/fanout.py), run in place of the body's prompts."""
     with generation.counts_failure(state, body.model):
-        group = await _start(state, body, chat)
+        group = await _start(state, body, chat, fan)
     if body.stream:
         return _GroupStream(group)
     result = await _collect(group, http)
@@ -257,6 +292,8 @@ def _full_body(group: Group, completions: list[Completion], pieces: Pieces) -> d
         if body.return_token_ids:
             choice["token_ids"] = list(c.tokens)
             choice["prompt_token_ids"] = list(group.prompts[i])
+        if group.sets is not None:
+            choice["adapter_set"] = group.sets[i]
         choices.append(choice)
     n_prompt = sum(len(p) for p in group.prompts)
     n_gen = sum(len(c.tokens) for c in completions)
@@ -375,6 +412,8 @@ def _chunk(group: Group, index: int, text: str | None, entries: list[TokenLogpro
             st.offset += sum(pieces.width(e.token) for e in entries)
         choice = {"index": index, "text": text or "", "logprobs": lp, "finish_reason": reason}
         obj = "text_completion"
+    if group.sets is not None:
+        choice["adapter_set"] = group.sets[index // group.per_prompt]
     return _sse({"id": group.prefix + group.id, "object": obj, "created": group.created, "model": group.model,
                  "choices": [choice]})
 
@@ -425,7 +464,10 @@ async def _events(group: Group, pieces: Pieces, states: list[_Choice]
                 if not value:
                     continue
             entries, st.pending = st.pending, []
-            yield await asyncio.to_thread(_chunk, group, k, value, entries, pieces, st)
+            if entries:  # token texts from llama.cpp: off the event loop
+                yield await asyncio.to_thread(_chunk, group, k, value, entries, pieces, st)
+            else:  # text alone (fan-out without logprobs): no thread hop per chunk, as a single stream
+                yield _chunk(group, k, value, entries, pieces, st)
             await asyncio.sleep(0)  # see protocols/openai.stream: lets a disconnect be seen between chunks
         elif kind == "error":
             raise value
@@ -502,4 +544,4 @@ class _GroupStream(StreamingResponse):
             self.group.finish(499)
 
 
-__all__ = ["Group", "Pieces", "handles", "legacy_entries", "respond"]
+__all__ = ["Fan", "Group", "Pieces", "handles", "legacy_entries", "respond"]

@@ -1,6 +1,7 @@
 """OpenAI's chat completions and completions: the routes, and their JSON bodies and SSE chunks shaped from the
-response layer (layer.py), as every protocol's are. Scoring and fan-out requests (logprobs, echo, several
-prompts, n, best_of) are shaped by server/scoring.py."""
+response layer (layer.py), as every protocol's are. Scoring and several-sequence requests (logprobs, echo,
+several prompts, n, best_of) are shaped by server/scoring.py, fan-out over adapter sets (`adapter_sets`) by
+server/fanout.py."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response
 
-from .. import scoring
+from .. import fanout, scoring
 from ..errors import APIError
 from ..generation import Job
 from ..schemas import ChatRequest, CompletionRequest
@@ -26,6 +27,8 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     """POST /v1/completions and /v1/chat/completions."""
 
     async def generate(http: HTTPRequest, body: CompletionRequest | ChatRequest, chat: bool) -> Response:
+        if fanout.handles(body):  # several adapter sets, one result each: server/fanout.py
+            return await fanout.respond(state, http, body, chat)
         if scoring.handles(body):  # logprobs, echo, several prompts or sequences: server/scoring.py
             return await scoring.respond(state, http, body, chat)
         op = await layer.open_request(state, body)
