@@ -96,9 +96,7 @@ def top_ids(row: np.ndarray, k: int) -> np.ndarray:
     k = min(k, n)
     blocks = n // TOP_BLOCK
     if blocks >= k:
-        maxima = row[: blocks * TOP_BLOCK].reshape(blocks, TOP_BLOCK).max(axis=1)
-        if n > blocks * TOP_BLOCK:
-            maxima = np.append(maxima, row[blocks * TOP_BLOCK:].max())
+        maxima = row[: blocks * TOP_BLOCK].reshape(blocks, TOP_BLOCK).max(axis=1)  # (a ragged tail only adds)
         edge = np.partition(maxima, maxima.size - k)[maxima.size - k]
         idx = np.flatnonzero(row >= edge)
         if idx.size > 64 * TOP_BLOCK:
