@@ -38,3 +38,29 @@ def test_log_sum_exp_is_token_nlls_expression():
         e = row_logprob(row, 17, 3)
         assert e.logprob == -float(m + np.log(np.exp(r - m).sum()) - r[17])
         assert e.rank == int((row > row[17]).sum()) + 1
+
+
+def test_score_rows_bounds_the_rows_of_every_decode(tiny_model):
+    """`score_rows` (an engine option and a server setting) is the most prompt-scoring rows one decode
+    computes: a 60-token prompt takes at least ceil(59 / 4) decodes at 4 rows, and at most 3 at 32."""
+    import math
+
+    import loramux as lm
+    from loramux.errors import ParameterError
+    from loramux.server.config import ServerSettings
+
+    steps = {}
+    for rows in (4, 32):
+        eng = lm.Engine.load(tiny_model, n_ctx=256, n_threads=2, score_rows=rows)
+        try:
+            toks = (eng.tokenize("the cat sat on the mat and the dog ran") * 8)[:60]
+            before = eng.stats()["decode_steps"]
+            [entries] = eng.score([toks])
+            assert len(entries) == 60 and all(e.logprob is not None for e in entries[1:])
+            steps[rows] = eng.stats()["decode_steps"] - before
+        finally:
+            eng.close()
+    assert steps[4] >= math.ceil(59 / 4) and steps[32] <= 3, steps
+    with pytest.raises(ParameterError, match="score_rows"):
+        lm.EngineOptions(score_rows=0)
+    assert ServerSettings(score_rows=8).engine_options().score_rows == 8
