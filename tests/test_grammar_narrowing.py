@@ -79,3 +79,34 @@ def test_token_references_turn_narrowing_off(eng):
     finally:
         g.close()
         h.close()
+
+
+def _accepts(model, gram: G.Grammar, text: str) -> bool:
+    """Whether llama.cpp's grammar takes `text` (in the tiny model's byte tokens) and then the end."""
+    g = gram.compile(model)
+    try:
+        for b in text.encode():
+            tok = 3 + b  # <0xNN> byte tokens follow <unk>, <s>, </s>
+            if not g.handle.allows(tok):
+                return False
+            g.accept(tok)
+        return g.handle.allows(model.handle.eos)
+    finally:
+        g.close()
+
+
+CHOICES = [["yes", "no", "yesno", "ye"], [f"option {i}" for i in range(25)], ["a", "aa", "aaa", "ab", "b"],
+           ['say "hi"', "say \\n", "sa", "x\u00e9t\u00e9", "x\u00e9"]]
+
+
+@pytest.mark.parametrize("i", range(len(CHOICES)))
+def test_choice_tree_accepts_exactly_the_options(eng, i):
+    """guided_choice is written as a prefix tree (one stack per open branch, not per option): it accepts
+    each option and nothing else (prefixes, extensions, near misses), exactly as the flat alternation."""
+    options = CHOICES[i]
+    tree = G.choice(options)
+    flat = G.Grammar("root ::= " + " | ".join(G.gbnf_literal(o) for o in options), "test")
+    probes = set(options) | {o[:-1] for o in options} | {o + "a" for o in options} | {o + "0" for o in options}
+    probes |= {"", "option 2", "option 30", "yesn", "aab", "abb", "x\u00e9t"}
+    for text in sorted(probes):
+        assert _accepts(eng.model, tree, text) == (text in options) == _accepts(eng.model, flat, text), text

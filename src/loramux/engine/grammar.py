@@ -13,6 +13,7 @@ those keywords left unenforced (docs/structured.md lists them).
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import math
 import threading
@@ -289,7 +290,42 @@ def choice(options: Any, param: str = "guided_choice") -> Grammar:
     if (not isinstance(options, (list, tuple)) or not options or len(options) > MAX_CHOICES
             or not all(isinstance(o, str) and o for o in options)):
         raise GrammarError(param, f"must be a list of 1 to {MAX_CHOICES} non-empty strings")
-    return Grammar("root ::= " + " | ".join(gbnf_literal(o) for o in dict.fromkeys(options)), param)
+    return Grammar(_choice_trie(list(dict.fromkeys(options))), param)
+
+
+def _choice_trie(options: list[str]) -> str:
+    """A grammar for exactly one of `options`, their shared prefixes written once (a radix tree, one rule
+    per branching node): llama.cpp keeps one stack per alternative still open, so after `option number `
+    a flat list of 500 `option number N` keeps 500 stacks and checks every candidate token against each,
+    the tree 10."""
+    root: dict[str, Any] = {}  # char-keyed trie; "" marks the end of an option
+    for o in options:
+        node = root
+        for ch in o:
+            node = node.setdefault(ch, {})
+        node[""] = {}
+    rules: list[str] = []
+    todo: list[tuple[str, dict[str, Any]]] = [("root", root)]
+    names = itertools.count(1)
+    while todo:
+        name, node = todo.pop()
+        alts = []
+        for ch, child in node.items():
+            if not ch:
+                continue
+            edge = ch
+            while len(child) == 1 and "" not in child:  # follow the branchless run
+                (nxt, child), = child.items()
+                edge += nxt
+            if set(child) == {""}:
+                alts.append(gbnf_literal(edge))
+            else:
+                sub = f"choice-{next(names)}"
+                todo.append((sub, child))
+                alts.append(f"{gbnf_literal(edge)} {sub}")
+        body = " | ".join(alts)
+        rules.append(f"{name} ::= ( {body} )?" if "" in node else f"{name} ::= {body}")
+    return "\n".join(rules) + "\n"
 
 
 def regex(pattern: Any, param: str = "guided_regex") -> Grammar:
