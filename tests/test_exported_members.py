@@ -25,7 +25,7 @@ ERRORS = {
     "PackageDataError",
     "ParameterError",
     "ProbeMismatch", "RequestFailed", "RpcError", "ScaleError", "SlotsBusyError", "SourceError", "TrainingError",
-    "ChatTemplateError", "GrammarError",
+    "ChatTemplateError", "GrammarError", "GrammarSyntaxError",
 }
 
 
