@@ -207,7 +207,8 @@ class _Utf8Table:
 
     def _first_chars(self, model: Model, plain: list[bytes]) -> None:
         """The first-character buckets of `refused_by_first`: per token whose text llama.cpp's grammar reads
-        (the piece with special text) starts with a whole character, the index of that character among
+        (the piece with special text, which for every token but control tokens is its plain text) starts
+        with a whole character, the index of that character among
         the probes, the one-character tokens (the lowest id of each character); -1 for the rest (end tokens,
         pieces that start mid-character: the grammar is always asked about those)."""
         n = model.n_vocab
@@ -215,9 +216,9 @@ class _Utf8Table:
         probe_of: dict[str, int] = {}
         firsts: list[tuple[int, str]] = []
         for t in range(n):
-            b = model.handle.token_bytes(t, special=True)
-            if not b or b != plain[t] or model.handle.is_eog(t):
-                continue  # end tokens and control tokens: llama.cpp treats them apart (or its text differs)
+            b = plain[t]  # a token with text of its own reads the same with or without special text
+            if not b or model.handle.is_eog(t):
+                continue  # end tokens and control tokens (no plain text): llama.cpp treats them apart
             head = b[:4].decode("utf-8", errors="ignore")[:1]
             if not head or not b.startswith(head.encode("utf-8")):
                 continue
