@@ -28,6 +28,7 @@ from _common import common_args, dump_json, machine_info, median, model_path, pr
 from loramux import _native as N
 from loramux.engine import grammar as G
 from loramux.engine.model import Model
+from loramux.engine.regex_gbnf import gbnf_literal
 
 SCHEMA = {"type": "object", "properties": {"title": {"type": "string", "maxLength": 40},
                                            "year": {"type": "integer", "minimum": 1900, "maximum": 2100},
@@ -45,7 +46,7 @@ def cases() -> dict[str, tuple[str, str, str, str]]:
         "json": (G.json_schema(SCHEMA).gbnf, "json_schema", json.dumps(SCHEMA),
                  '{"title": "A river valley", "year": 1987, "tags": ["history", "maps"]}'),
         "regex_date": (G.regex(r"\d{4}-\d{2}-\d{2}").gbnf, "regex", r"\d{4}-\d{2}-\d{2}", "2024-05-17"),
-        "choice500": ("root ::= " + " | ".join(G.gbnf_literal(c) for c in choices), "choice", json.dumps(choices),
+        "choice500": ("root ::= " + " | ".join(gbnf_literal(c) for c in choices), "choice", json.dumps(choices),
                       "option number 123"),  # flat, as loramux wrote a choice list before
         "choice500_tree": (G.choice(choices).gbnf, "choice", json.dumps(choices), "option number 123"),
         "nested10": (G.Grammar(_nested_gbnf(10), "bench").gbnf, "regex", "((a?){10}){10}", "aaaa"),

@@ -10,6 +10,7 @@ import pytest
 import loramux as lm
 from loramux import _native as N
 from loramux.engine import grammar as G
+from loramux.engine.regex_gbnf import gbnf_literal
 
 GRAMMARS = [
     G.choice([f"option number {i}" for i in range(40)] + ["yes", "no"]),
@@ -105,7 +106,7 @@ def test_choice_tree_accepts_exactly_the_options(eng, i):
     each option and nothing else (prefixes, extensions, near misses), exactly as the flat alternation."""
     options = CHOICES[i]
     tree = G.choice(options)
-    flat = G.Grammar("root ::= " + " | ".join(G.gbnf_literal(o) for o in options), "test")
+    flat = G.Grammar("root ::= " + " | ".join(gbnf_literal(o) for o in options), "test")
     probes = set(options) | {o[:-1] for o in options} | {o + "a" for o in options} | {o + "0" for o in options}
     probes |= {"", "option 2", "option 30", "yesn", "aab", "abb", "x\u00e9t"}
     for text in sorted(probes):

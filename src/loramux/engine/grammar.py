@@ -13,7 +13,6 @@ those keywords left unenforced (docs/structured.md lists them).
 from __future__ import annotations
 
 import copy
-import itertools
 import json
 import math
 import threading
@@ -28,7 +27,7 @@ import numpy as np
 from .. import _native as N
 from ..errors import BackendError, GrammarBudgetError, GrammarError
 from .grammar_cost import DEFAULT_LIMITS, YIELD_EVERY, GrammarLimits, check, syntax_error
-from .regex_gbnf import MAX_REPEAT, gbnf_literal, regex_to_gbnf
+from .regex_gbnf import MAX_REPEAT, choice_gbnf, regex_to_gbnf
 
 if TYPE_CHECKING:
     from .model import Model
@@ -291,42 +290,7 @@ def choice(options: Any, param: str = "guided_choice") -> Grammar:
     if (not isinstance(options, (list, tuple)) or not options or len(options) > MAX_CHOICES
             or not all(isinstance(o, str) and o for o in options)):
         raise GrammarError(param, f"must be a list of 1 to {MAX_CHOICES} non-empty strings")
-    return Grammar(_choice_trie(list(dict.fromkeys(options))), param)
-
-
-def _choice_trie(options: list[str]) -> str:
-    """A grammar for exactly one of `options`, their shared prefixes written once (a radix tree, one rule
-    per branching node): llama.cpp keeps one stack per alternative still open, so after `option number `
-    a flat list of 500 `option number N` keeps 500 stacks and checks every candidate token against each,
-    the tree 10."""
-    root: dict[str, Any] = {}  # char-keyed trie; "" marks the end of an option
-    for o in options:
-        node = root
-        for ch in o:
-            node = node.setdefault(ch, {})
-        node[""] = {}
-    rules: list[str] = []
-    todo: list[tuple[str, dict[str, Any]]] = [("root", root)]
-    names = itertools.count(1)
-    while todo:
-        name, node = todo.pop()
-        alts = []
-        for ch, child in node.items():
-            if not ch:
-                continue
-            edge = ch
-            while len(child) == 1 and "" not in child:  # follow the branchless run
-                (nxt, child), = child.items()
-                edge += nxt
-            if set(child) == {""}:
-                alts.append(gbnf_literal(edge))
-            else:
-                sub = f"choice-{next(names)}"
-                todo.append((sub, child))
-                alts.append(f"{gbnf_literal(edge)} {sub}")
-        body = " | ".join(alts)
-        rules.append(f"{name} ::= ( {body} )?" if "" in node else f"{name} ::= {body}")
-    return "\n".join(rules) + "\n"
+    return Grammar(choice_gbnf(list(dict.fromkeys(options))), param)
 
 
 def regex(pattern: Any, param: str = "guided_regex") -> Grammar:
