@@ -3,23 +3,28 @@
 One `loramux serve` subprocess (default settings, loopback). The neighbour is an 8-token greedy completion
 (EOS ignored); its latency is measured alone, and sent 50 ms after one attack request, in turn,
 `--repeats` times each. The table shows the neighbour's median latency without and with each attack,
-their ratio (the budgets aim at ≤ 2×), and what the attack requests got back (HTTP status and error
+their ratio (the budgets aim at ≤ 2×), the ratio of the server's CPU seconds while the neighbour ran
+(the work the attack added to the neighbour's time; steadier than latency on a machine others load), how long the attack request itself took (the price of its budgets:
+a scoring request served in smaller pieces takes longer), and what the attack requests got back (HTTP status and error
 code, counted). The "control" row is a trivially invalid request: the cost of any refusal. (A client
 that sends requests back to back without pause slows everyone through the HTTP layer alone, cheap 400s
 included: rate limits belong in front of the server.)
 
     python benchmarks/attacks.py                      # the embedded Gemma 3 270M
     python benchmarks/attacks.py --only nested10,scoring --repeats 9
+    python benchmarks/attacks.py --against ../old-checkout    # this tree and another, attack by attack
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import threading
 import time
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -72,15 +77,19 @@ def attacks() -> dict[str, tuple[str, dict[str, Any]]]:
     }
 
 
-def attack_once(url: str, path: str, body: dict[str, Any], outcomes: Counter[str]) -> threading.Thread:
-    """Send one attack request on a thread of its own; its outcome (HTTP status, error code) is counted."""
+def attack_once(url: str, path: str, body: dict[str, Any], outcomes: Counter[str],
+                took: list[float]) -> threading.Thread:
+    """Send one attack request on a thread of its own; its outcome (HTTP status, error code) is counted and
+    its latency appended to `took`."""
     def run() -> None:
+        t0 = time.perf_counter()
         try:
             r = httpx.post(url + path, json=body, timeout=600)
             code = r.json().get("error", {}).get("code") if r.status_code != 200 else "ok"
             outcomes[f"{r.status_code} {code}"] += 1
         except (httpx.HTTPError, ValueError) as e:
             outcomes[type(e).__name__] += 1
+        took.append(time.perf_counter() - t0)
     t = threading.Thread(target=run, daemon=True)
     t.start()
     return t
@@ -98,49 +107,93 @@ def neighbour(url: str, repeats: int) -> list[float]:
     return out
 
 
+def start_server(args: argparse.Namespace, src: str | None) -> tuple[subprocess.Popen[bytes], str]:
+    """`loramux serve` from this checkout, or (src) from another source tree's `src` directory."""
+    port = free_port()
+    argv = [sys.executable, "-m", "loramux", "serve", str(model_path(args.model)), "--port", str(port),
+            "--threads", str(args.threads), "--parallel", str(args.parallel), "--no-example-adapter"]
+    env = dict(os.environ, PYTHONPATH=str(Path(src).resolve() / "src")) if src else None
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    url = f"http://127.0.0.1:{port}"
+    wait_ready(url, proc)
+    neighbour(url, 2)  # warm up
+    return proc, url
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds the process has used so far, all threads (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def timed_neighbour(url: str, pid: int) -> tuple[float, float]:
+    """One neighbour request: (its latency, the server's CPU seconds meanwhile)."""
+    c0 = cpu_seconds(pid)
+    wall = neighbour(url, 1)[0]
+    return wall, cpu_seconds(pid) - c0
+
+
+def measure(url: str, pid: int, path: str, body: dict[str, Any], into: dict[str, Any]) -> None:
+    """The neighbour alone, then attacked (the shared machine drifts: alone and attacked go in turn)."""
+    wall, cpu = timed_neighbour(url, pid)
+    into["alone"].append(wall)
+    into["alone_cpu"].append(cpu)
+    outcomes = Counter[str]()
+    t = attack_once(url, path, body, outcomes, into["attack"])
+    time.sleep(0.05)  # the attack request first, as a client racing the neighbour would
+    wall, cpu = timed_neighbour(url, pid)
+    into["attacked"].append(wall)
+    into["attacked_cpu"].append(cpu)
+    t.join(600)
+    for k, v in outcomes.items():
+        into["outcomes"][k] = into["outcomes"].get(k, 0) + v
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     common_args(ap, repeats=5)
     ap.add_argument("--only", default=None, help="comma-separated attack names (default: all)")
     ap.add_argument("--parallel", type=int, default=4, help="loramux serve --parallel (default 4)")
+    ap.add_argument("--against", default=None, metavar="TREE",
+                    help="also serve from this source tree (a checkout of another version), measured in turn "
+                         "with this one, attack by attack")
     args = ap.parse_args()
     chosen = attacks()
     if args.only:
         chosen = {k: v for k, v in chosen.items() if k in args.only.split(",")}
     info = machine_info(args.threads)
     print_machine(info)
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    argv = [sys.executable, "-m", "loramux", "serve", str(model_path(args.model)), "--port", str(port),
-            "--threads", str(args.threads), "--parallel", str(args.parallel), "--no-example-adapter"]
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    servers: dict[str, tuple[subprocess.Popen[bytes], str]] = {}
     rows, raw = [], {}
     try:
-        wait_ready(url, proc)
-        neighbour(url, 2)  # warm up
-        base = neighbour(url, args.repeats)
-        raw["alone"] = base
+        servers["this"] = start_server(args, None)
+        if args.against:
+            servers[Path(args.against).name] = start_server(args, args.against)
         for name, (path, body) in chosen.items():
-            alone, during, outcomes = [], [], Counter[str]()
-            for _ in range(args.repeats):  # alone and attacked in turn: the shared machine drifts
-                alone += neighbour(url, 1)
-                t = attack_once(url, path, body, outcomes)
-                time.sleep(0.05)  # the attack request first, as a client racing the neighbour would
-                during += neighbour(url, 1)
-                t.join(600)
-            raw[name] = {"alone": alone, "attacked": during, "outcomes": dict(outcomes)}
-            got = ", ".join(f"{k} ×{v}" for k, v in outcomes.most_common(3))
-            rows.append([name, f"{median(alone):.2f}", f"{median(during):.2f}",
-                         f"{ratio(median(during), median(alone)):.2f}×", got])
-            print(f"  {name}: {median(alone):.2f} s -> {median(during):.2f} s ({got})", file=sys.stderr)
+            got_by = {label: {"alone": [], "attacked": [], "alone_cpu": [], "attacked_cpu": [], "attack": [],
+                              "outcomes": {}} for label in servers}
+            for _ in range(args.repeats):
+                for label, (proc, url) in servers.items():  # the servers in turn, repeat by repeat
+                    measure(url, proc.pid, path, body, got_by[label])
+            for label, m in got_by.items():
+                raw.setdefault(label, {})[name] = m
+                alone, during, took = m["alone"], m["attacked"], m["attack"]
+                got = ", ".join(f"{k} ×{v}" for k, v in Counter(m["outcomes"]).most_common(3))
+                cpu = ratio(median(m["attacked_cpu"]), median(m["alone_cpu"]))
+                rows.append([name, label, f"{median(alone):.2f}", f"{median(during):.2f}",
+                             f"{ratio(median(during), median(alone)):.2f}×", f"{cpu:.2f}×", f"{median(took):.2f}", got])
+                print(f"  {name} ({label}): {median(alone):.2f} s -> {median(during):.2f} s ({got})",
+                      file=sys.stderr)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        for proc, _ in servers.values():
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
     print_table(f"neighbour: 8 tokens, greedy, median of {args.repeats}; attacked: sent 50 ms after one attack request",
-                ["attack", "alone (s)", "attacked (s)", "ratio", "attacker got"], rows)
+                ["attack", "server", "alone (s)", "attacked (s)", "ratio", "CPU ratio", "attack took (s)",
+                 "attacker got"], rows)
     dump_json(args.json, {"machine": info, "raw": raw})
     return 0
 

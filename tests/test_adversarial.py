@@ -103,7 +103,7 @@ def test_wide_alternations_and_enums_are_refused(srv):
 @pytest.mark.parametrize(("field", "words"), [
     ({"grammar": 'root ::= "a"{²}'}, ["expecting an integer", "line 1, column 14"]),
     ({"grammar": 'root ::= "a"{' + "9" * 5000 + "}"}, ["grammar_max_repeat"]),
-    ({"grammar": 'root ::= "a"\nx ::= "b" )'}, ["expecting a newline or the end at line 2, column 11"]),
+    ({"grammar": 'root ::= "a"\nx ::= "b" )'}, ["a ')' that closes nothing at line 2, column 11"]),
     ({"grammar": 'root ::= thing\n'}, ["'thing' is used but never defined"]),
     ({"guided_json": "[" * 100_000 + "]" * 100_000}, ["nests too deep"]),
 ])

@@ -24,8 +24,8 @@ ERRORS = {
     "EngineClosedError", "FactorError", "GGUFFormatError", "GrammarBudgetError", "LoramuxError", "ModelError",
     "PackageDataError",
     "ParameterError",
-    "ProbeMismatch", "RequestFailed", "RpcError", "ScaleError", "ServerError", "SlotsBusyError", "SourceError", "TrainingError",
-    "ChatTemplateError", "GrammarError",
+    "ProbeMismatch", "RequestFailed", "RpcError", "ScaleError", "ServerError", "SlotsBusyError", "SourceError",
+    "TrainingError", "ChatTemplateError", "GrammarError", "GrammarSyntaxError",
 }
 
 

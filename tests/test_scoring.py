@@ -112,7 +112,9 @@ def test_banked_scoring_across_adapters_within_the_noise_floor(tiny_model, tiny_
     """Prompts on different adapters scored in one batch through the slot bank equal Engine.loss (native
     adapters, one sequence alone) within TOL_FLOORS noise floors, measured here on the tiny model's F32
     weights with an F32 KV cache."""
-    eng = lm.Engine.load(tiny_model, n_ctx=256, n_parallel=4, slots=4, slot_rank=4, n_threads=2, kv_type="f32")
+    # score_rows: every prompt's rows in one decode, so that the two on adapter a share the same batches
+    eng = lm.Engine.load(tiny_model, n_ctx=256, n_parallel=4, slots=4, slot_rank=4, n_threads=2, kv_type="f32",
+                         score_rows=64)
     try:
         eng.load_lora(tiny_dir / "a.gguf", "a")
         eng.load_lora(tiny_dir / "b.gguf", "b")

@@ -27,6 +27,7 @@ Every public error is defined here. The tree (``code`` is what the server puts i
     ├── ContextLengthError          context_length_exceeded (also a ValueError)
     ├── ParameterError              invalid_parameter    (also a ValueError)
     │   ├── GrammarError            invalid_grammar      a schema, regex, choice or GBNF cannot constrain output
+    │   │   ├── GrammarSyntaxError  invalid_grammar      a GBNF grammar does not parse (reason, line, column)
     │   │   └── GrammarBudgetError  grammar_budget_exceeded  a grammar ran over its time budget
     │   └── ChatTemplateError       invalid_chat_template the chat template refused or failed on the messages
     ├── EngineClosedError           engine_closed        (also a RuntimeError)
@@ -283,6 +284,17 @@ class GrammarError(ParameterError):
     code = "invalid_grammar"
 
 
+class GrammarSyntaxError(GrammarError):
+    """A GBNF grammar does not parse. `reason` is one of `undefined_rule`, `unclosed_group`,
+    `unmatched_close`, `unclosed_literal`, `bad_escape`, `missing_root`, `unknown_token` or `syntax`;
+    `line` and `column` (from 1) say where, None when it concerns the whole grammar (`missing_root`)."""
+
+    def __init__(self, parameter: str, reason: str, message: str, *, line: int | None = None,
+                 column: int | None = None, hint: str | None = None):
+        self.reason, self.line, self.column = reason, line, column
+        super().__init__(parameter, message, hint=hint)
+
+
 class GrammarBudgetError(GrammarError):
     """A request's grammar took more engine time than its budget (per token or per request) while it was
     being served: that request ended, the others went on. `budget` names the setting."""
@@ -382,6 +394,7 @@ __all__ = [
     "AdapterError", "AdapterNotFoundError", "AdapterVersionError", "BackendError", "ChecksumError", "ContextLengthError",
     "ControlVectorError", "ConversionError", "DownloadCancelled", "DownloadError", "DownloadRefused",
     "ChatTemplateError", "EngineClosedError", "FactorError", "GGUFFormatError", "GrammarBudgetError", "GrammarError",
+    "GrammarSyntaxError",
     "LoramuxError", "ModelError", "PackageDataError", "ParameterError", "ProbeMismatch", "RequestFailed", "RpcError",
     "ScaleError", "ServerError", "SlotsBusyError",
     "SourceError", "TrainingError",

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -116,6 +116,13 @@ class GrammarHandle(Handle):
         self._apply(self.ptr, one)
         return bool(np.isfinite(one["logit"][0]))
 
+    def allowed_among(self, tokens: np.ndarray, deadline: float | None = None) -> np.ndarray:
+        """Which of `tokens` the grammar, in its current state, accepts next (one pass over just those)."""
+        data = np.zeros(len(tokens), dtype=_TOKEN_DATA)
+        data["id"] = tokens
+        self._mask(data, deadline)
+        return np.isfinite(data["logit"])
+
     def _candidates(self, ctx: ContextHandle, idx: int) -> np.ndarray:
         ptr = C.llama_get_logits_ith(ctx.ptr, idx)
         if not ptr:
@@ -129,13 +136,15 @@ class GrammarHandle(Handle):
         return a
 
     def pick(self, ctx: ContextHandle, idx: int, chain: SamplerHandle | None, ban: np.ndarray | None = None,
-             deadline: float | None = None) -> int:
+             deadline: float | None = None, narrow: Callable[[], np.ndarray | None] | None = None) -> int:
         """The next token under the grammar: greedy (`chain` None) or through the chain, without accepting it.
 
         `ban` (a boolean mask over the vocabulary) removes tokens on top of the grammar. `deadline` (a
         time.thread_time() value: this thread's CPU time, which waiting for the GIL or a core does not
         spend): the checks and the pass over the vocabulary raise TimeoutError once it is past, between
-        two grammar calls (one call cannot be interrupted; a pass goes in chunks)."""
+        two grammar calls (one call cannot be interrupted; a pass goes in chunks). `narrow`, called only
+        when a pass over the vocabulary is needed, returns a mask of tokens the grammar is known to refuse
+        (or None): the pass then asks the grammar about the others only, with the same result."""
         self._allowed = None
         if chain is None:
             tok = ctx.argmax(idx)
@@ -150,9 +159,17 @@ class GrammarHandle(Handle):
             if best is not None:
                 self._allowed = best
                 return best
+        known = narrow() if narrow is not None else None
+        if known is not None:
+            ban = known if ban is None else ban | known
         cand = self._candidates(ctx, idx)
-        self._mask(cand, deadline)  # rejected: mask the whole vocabulary (in id order), then choose again
-        if ban is not None:
+        if ban is None:
+            self._mask(cand, deadline)  # rejected: mask the whole vocabulary (in id order), then choose again
+        else:  # only the tokens not banned already need the grammar's verdict
+            keep = np.flatnonzero(~ban)
+            sub = cand[keep]
+            self._mask(sub, deadline)
+            cand["logit"][keep] = sub["logit"]
             cand["logit"][ban] = -np.inf
         if not np.isfinite(cand["logit"]).any():
             raise BackendError("llama_sampler_apply", None, "the grammar allows no token here (a dead end)")
@@ -174,7 +191,7 @@ class GrammarHandle(Handle):
     def _mask(self, cand: np.ndarray, deadline: float | None) -> None:
         """The grammar's pass over `cand`, MASK_CHUNK candidates a call when there is a deadline (llama.cpp
         checks each candidate on its own, so the chunks mask what one call would), checked between calls."""
-        step = len(cand) if deadline is None else MASK_CHUNK
+        step = max(len(cand), 1) if deadline is None else MASK_CHUNK
         for start in range(0, len(cand), step):
             if deadline is not None and time.thread_time() > deadline:
                 raise TimeoutError("the grammar's pass over the vocabulary ran past its deadline")

@@ -26,8 +26,8 @@ import numpy as np
 
 from .. import _native as N
 from ..errors import BackendError, GrammarBudgetError, GrammarError
-from .grammar_cost import DEFAULT_LIMITS, YIELD_EVERY, GrammarLimits, check
-from .regex_gbnf import MAX_REPEAT, gbnf_literal, regex_to_gbnf
+from .grammar_cost import DEFAULT_LIMITS, YIELD_EVERY, GrammarLimits, check, syntax_error
+from .regex_gbnf import MAX_REPEAT, choice_gbnf, regex_to_gbnf
 
 if TYPE_CHECKING:
     from .model import Model
@@ -63,14 +63,27 @@ class Grammar:
         if len(self.gbnf) > MAX_GRAMMAR_CHARS:
             raise GrammarError(self.param, f"the grammar has {len(self.gbnf)} characters; at most "
                                            f"{MAX_GRAMMAR_CHARS} are accepted")
-        check(self.gbnf, param=self.param, root=self.root, limits=limits)
+        self._check_tokens(model, check(self.gbnf, param=self.param, root=self.root, limits=limits))
         try:
             return ActiveGrammar(model, N.GrammarHandle.create(model.handle, self.gbnf, self.root), self.param,
-                                 limits)
+                                 limits, narrows="<" not in self.gbnf)
         except BackendError as e:
             raise GrammarError(self.param, f"llama.cpp cannot use this grammar: {e.message}",
                                hint="GBNF syntax: https://github.com/ggml-org/llama.cpp/blob/master/grammars/"
                                     "README.md") from None
+
+
+    def _check_tokens(self, model: Model, refs: Sequence[tuple[str, int]]) -> None:
+        """Each token reference must name one token of this vocabulary (llama.cpp's parser only says that
+        the grammar failed): `<[id]>` an id below n_vocab, `<text>` a text that is exactly one token."""
+        for text, at in refs:
+            if text.startswith("<[") and text.endswith("]>"):
+                ok = text[2:-2].isdigit() and int(text[2:-2]) < model.n_vocab
+            else:
+                ok = len(model.handle.tokenize(text, False, True)) == 1
+            if not ok:
+                raise syntax_error(self.gbnf, self.param, f"the token reference {text[:40]!r} is not one token of "
+                                   f"this model's vocabulary ({model.n_vocab} tokens)", at, "unknown_token")
 
 
 class ActiveGrammar:
@@ -82,8 +95,11 @@ class ActiveGrammar:
     as JSON). The guard bans, at each step, the tokens whose bytes would make the text so far invalid."""
 
     def __init__(self, model: Model, handle: N.GrammarHandle, param: str = "grammar",
-                 limits: GrammarLimits = DEFAULT_LIMITS) -> None:
+                 limits: GrammarLimits = DEFAULT_LIMITS, narrows: bool = False) -> None:
         self.model, self.handle, self.param, self.limits = model, handle, param, limits
+        # first-character narrowing of vocabulary passes (`_Utf8Table.refused_by_first`): only for grammars
+        # without token references (<...>), which match a token by its id rather than its text
+        self.narrows = narrows
         self.table = _utf8_table(model)
         self.state: tuple[int, int, int] = (0, 0, 0)  # (continuation bytes owed, range of the next one)
         # CPU seconds of the engine thread in this grammar's checks, passes and advances so far: CPU time,
@@ -96,7 +112,11 @@ class ActiveGrammar:
         t0 = time.thread_time()
         left = min(self.limits.token_seconds, self.limits.request_seconds - self.spent)
         try:
-            tok = self.handle.pick(ctx, idx, chain, self.table.ban(self.state), deadline=t0 + max(left, 0.0))
+            deadline = t0 + max(left, 0.0)
+            # between characters (no multi-byte character pending) a pass asks about each first character once
+            narrow = (lambda: self.table.refused_by_first(self.handle.allowed_among(self.table.probes, deadline))
+                      ) if self.narrows and self.state[0] == 0 else None
+            tok = self.handle.pick(ctx, idx, chain, self.table.ban(self.state), deadline=deadline, narrow=narrow)
         except TimeoutError:
             self.spent += time.thread_time() - t0
             raise self._over(time.thread_time() - t0) from None
@@ -165,8 +185,10 @@ class _Utf8Table:
         self.lead = np.zeros(n, dtype=np.int16)
         self.size = np.zeros(n, dtype=np.int32)
         self.ok = np.ones(n, dtype=bool)
+        plain: list[bytes] = []
         for t in range(n):
             b = model.handle.token_bytes(t)
+            plain.append(b)
             self.size[t] = len(b)
             if not b or max(b) < 0x80:
                 continue
@@ -180,6 +202,45 @@ class _Utf8Table:
             except UnicodeDecodeError:
                 self.ok[t] = False
         self._bans: dict[tuple[int, int, int], np.ndarray] = {}
+        self._first_chars(model, plain)
+
+    def _first_chars(self, model: Model, plain: list[bytes]) -> None:
+        """The first-character buckets of `refused_by_first`: per token whose text llama.cpp's grammar reads
+        (the piece with special text, which for every token but control tokens is its plain text) starts
+        with a whole character, the index of that character among
+        the probes, the one-character tokens (the lowest id of each character); -1 for the rest (end tokens,
+        pieces that start mid-character: the grammar is always asked about those)."""
+        n = model.n_vocab
+        bucket = np.full(n, -1, dtype=np.int32)
+        probe_of: dict[str, int] = {}
+        firsts: list[tuple[int, str]] = []
+        for t in range(n):
+            b = plain[t]  # a token with text of its own reads the same with or without special text
+            if not b or model.handle.is_eog(t):
+                continue  # end tokens and control tokens (no plain text): llama.cpp treats them apart
+            head = b[:4].decode("utf-8", errors="ignore")[:1]
+            if not head or not b.startswith(head.encode("utf-8")):
+                continue
+            if len(b) == len(head.encode("utf-8")):
+                probe_of.setdefault(head, t)
+            firsts.append((t, head))
+        order = sorted(probe_of.items(), key=lambda kv: kv[1])
+        self.probes = np.array([t for _, t in order], dtype=np.int32)
+        index = {head: i for i, (head, _) in enumerate(order)}
+        for t, head in firsts:
+            bucket[t] = index.get(head, -1)
+        self.bucketed = np.flatnonzero(bucket >= 0)
+        self.bucket = bucket[self.bucketed]
+
+    def refused_by_first(self, allowed: np.ndarray) -> np.ndarray:
+        """The tokens whose first character the grammar refuses, from its verdict on the probes.
+
+        Exact: llama.cpp's grammar accepts a token when its whole text can begin a match, so a token whose
+        first character alone cannot begin one (its probe is refused) is refused too; a character without a
+        probe token decides nothing."""
+        out = np.zeros(len(self.ok), dtype=bool)
+        out[self.bucketed] = ~allowed[self.bucket]
+        return out
 
     def ban(self, state: tuple[int, int, int]) -> np.ndarray:
         hit = self._bans.get(state)
@@ -229,7 +290,7 @@ def choice(options: Any, param: str = "guided_choice") -> Grammar:
     if (not isinstance(options, (list, tuple)) or not options or len(options) > MAX_CHOICES
             or not all(isinstance(o, str) and o for o in options)):
         raise GrammarError(param, f"must be a list of 1 to {MAX_CHOICES} non-empty strings")
-    return Grammar("root ::= " + " | ".join(gbnf_literal(o) for o in dict.fromkeys(options)), param)
+    return Grammar(choice_gbnf(list(dict.fromkeys(options))), param)
 
 
 def regex(pattern: Any, param: str = "guided_regex") -> Grammar:

@@ -26,7 +26,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from ..errors import GrammarError
+from ..errors import GrammarError, GrammarSyntaxError
 
 
 @dataclass(frozen=True)
@@ -148,6 +148,17 @@ def _rep(x: _Cost, lo: int, hi: int | None, where: str) -> _Cost:
                  size=x.size * copies, sub=x.sub)
 
 
+def syntax_error(text: str, param: str, what: str, at: int, reason: str = "syntax") -> GrammarSyntaxError:
+    """A GrammarSyntaxError for `what`, found at character `at` of `text` (its line and column named)."""
+    line = text.count("\n", 0, at) + 1
+    col = at - (text.rfind("\n", 0, at) + 1) + 1
+    near = text[at:at + 24].split("\n")[0]
+    return GrammarSyntaxError(param, reason, f"the grammar does not parse: {what} at line {line}, column {col}"
+                                             + (f" (near {near!r})" if near else ""), line=line, column=col,
+                              hint="GBNF syntax: https://github.com/ggml-org/llama.cpp/blob/master/grammars/"
+                                   "README.md")
+
+
 class _Parser:
     """llama.cpp's GBNF syntax (llama-grammar.cpp's parser), building `_Cost`s instead of rules."""
 
@@ -156,16 +167,10 @@ class _Parser:
         self.rules: dict[str, list[tuple[str, int]]] = {}  # rule name -> [(raw body start, end)]
         self.items = 0  # items parsed so far (see `sequence`)
         self.bodies: dict[str, _Cost | None] = {}
+        self.tokens: list[tuple[str, int]] = []  # token references <...>: (their text, where they start)
 
-    def error(self, what: str, at: int | None = None) -> GrammarError:
-        at = self.i if at is None else at
-        line = self.s.count("\n", 0, at) + 1
-        col = at - (self.s.rfind("\n", 0, at) + 1) + 1
-        near = self.s[at:at + 24].split("\n")[0]
-        return GrammarError(self.param, f"the grammar does not parse: {what} at line {line}, column {col}"
-                                        + (f" (near {near!r})" if near else ""),
-                            hint="GBNF syntax: https://github.com/ggml-org/llama.cpp/blob/master/grammars/"
-                                 "README.md")
+    def error(self, what: str, at: int | None = None, reason: str = "syntax") -> GrammarSyntaxError:
+        return syntax_error(self.s, self.param, what, self.i if at is None else at, reason)
 
     def space(self, newline_ok: bool) -> None:
         self.i = (_SPACE_NL if newline_ok else _SPACE).match(self.s, self.i).end()
@@ -199,12 +204,12 @@ class _Parser:
         if hexes:
             digits = self.s[self.i + 2:self.i + 2 + hexes]
             if len(digits) != hexes or any(c not in "0123456789abcdefABCDEF" for c in digits):
-                raise self.error(f"expecting {hexes} hex digits after \\{e}")
+                raise self.error(f"expecting {hexes} hex digits after \\{e}", reason="bad_escape")
             self.i += 2 + hexes
         elif e and e in 'trn\\"[]-':
             self.i += 2
         else:
-            raise self.error("an unknown escape")
+            raise self.error(f"an unknown escape {self.s[self.i:self.i + 2]!r}", reason="bad_escape")
 
     def count(self) -> int:
         j = self.i
@@ -235,6 +240,8 @@ class _Parser:
                 self.i += 2
             elif self.i < len(self.s) and self.s[self.i] in "\r\n":
                 self.i += 1
+            elif self.i < len(self.s) and self.s[self.i] in ")]":
+                raise self.error(f"a {self.s[self.i]!r} that closes nothing", reason="unmatched_close")
             elif self.i < len(self.s):
                 raise self.error("expecting a newline or the end")
             self.space(True)
@@ -264,6 +271,9 @@ class _Parser:
                 j = s.find(">", self.i)
                 if (c == "!" and s[at + 1:at + 2] != "<") or j < 0:
                     raise self.error("expecting a token <...>", at)
+                if dry:  # (rule bodies are parsed again for their costs: each reference is kept once)
+                    start = at + (c == "!")
+                    self.tokens.append((s[start:j + 1], start))
                 self.i = j + 1
                 items.append(_one(1))
             elif c == ".":
@@ -277,7 +287,9 @@ class _Parser:
                 self.space(True)
                 inner = self.alternates(True, depth + 1, dry)
                 if not s.startswith(")", self.i):
-                    raise self.error("expecting ')'")
+                    raise self.error("a '(' that is never closed (expecting ')' "
+                                     + ("at the end)" if self.i >= len(s) else f"before {s[self.i]!r})"), at,
+                                     reason="unclosed_group")
                 self.i += 1
                 items.append(_group(inner))
             elif c in "*+?{":
@@ -316,7 +328,8 @@ class _Parser:
                     self.i += 1
                     self.char()
             if self.i >= len(s):
-                raise self.error("unexpected end of input (an unclosed literal or class)", at)
+                raise self.error("an unclosed " + ("string literal" if c == '"' else "character class"), at,
+                                 reason="unclosed_literal")
             self.i += 1
         return _EMPTY if c == '"' and n == 0 else _one(n if c == '"' else 1)
 
@@ -339,7 +352,7 @@ class _Parser:
 
     def ref(self, name: str, at: int) -> _Cost:
         if name not in self.rules:
-            raise self.error(f"the rule {name!r} is used but never defined", at)
+            raise self.error(f"the rule {name!r} is used but never defined", at, reason="undefined_rule")
         if name in self.bodies:
             got = self.bodies[name]
             return _one(1) if got is None else _ref(got)  # None: recursion (a later character ends it)
@@ -366,9 +379,11 @@ def _ref(c: _Cost) -> _Cost:
     return _Cost(c.nullable, c.short, c.open, c.head, c.tail, c.run, c.breadth, c.wide, 1, 0)
 
 
-def check(text: str, *, param: str, root: str = "root", limits: GrammarLimits = DEFAULT_LIMITS) -> None:
-    """Refuse a grammar that does not parse or would cost over `limits` (see the module docstring)."""
-    run, breadth, size = _measure(text, param, root, limits.repeat, limits.depth)
+def check(text: str, *, param: str, root: str = "root", limits: GrammarLimits = DEFAULT_LIMITS
+          ) -> tuple[tuple[str, int], ...]:
+    """Refuse a grammar that does not parse or would cost over `limits` (see the module docstring); returns
+    its token references (`<name>`, `<[id]>`: their text and offset), which only a vocabulary can check."""
+    run, breadth, size, tokens = _measure(text, param, root, limits.repeat, limits.depth)
     if run > limits.optional_run:
         raise GrammarError(param, f"the grammar has a run of optional items of weight {run:g} (nested optional "
                                   f"repetitions multiply, e.g. ((a?){{10}}){{10}} weighs 100): at most "
@@ -382,12 +397,14 @@ def check(text: str, *, param: str, root: str = "root", limits: GrammarLimits = 
     if size > limits.elements:
         raise GrammarError(param, f"the grammar expands to about {size} elements: at most {limits.elements} "
                                   "(grammar_max_elements)", hint="smaller repetition counts")
+    return tokens
 
 
 @functools.lru_cache(maxsize=8)  # a client's GBNF is measured when the request is read and when it compiles
-def _measure(text: str, param: str, root: str, repeat: int, depth: int) -> tuple[float, int, int]:
-    """(widest run of optional items, most alternatives open at once, expanded elements) of a grammar
-    that parses (a GrammarError otherwise, not cached)."""
+def _measure(text: str, param: str, root: str, repeat: int, depth: int
+             ) -> tuple[float, int, int, tuple[tuple[str, int], ...]]:
+    """(widest run of optional items, most alternatives open at once, expanded elements, token references)
+    of a grammar that parses (a GrammarError otherwise, not cached)."""
     limits = GrammarLimits(repeat=repeat, depth=depth)
     p = _Parser(text, param, limits)
     # Groups recurse here as in llama.cpp's parser, three frames a level: make room for `limits.depth` of
@@ -397,7 +414,8 @@ def _measure(text: str, param: str, root: str, repeat: int, depth: int) -> tuple
     try:
         p.rules_pass()
         if root not in p.rules:
-            raise GrammarError(param, f"the grammar has no {root!r} rule (the rule output starts from)")
+            raise GrammarSyntaxError(param, "missing_root", f"the grammar has no {root!r} rule (the rule output "
+                                     "starts from)", hint=f"add a rule '{root} ::= ...'")
         for name in p.rules:
             p.ref(name, 0)
     except RecursionError:
@@ -405,7 +423,7 @@ def _measure(text: str, param: str, root: str, repeat: int, depth: int) -> tuple
                                   "rules, each the first item of the one before)") from None
     costs = [c for c in p.bodies.values() if c is not None]
     return (max((c.run for c in costs), default=0.0), max((c.wide for c in costs), default=0),
-            sum(c.size + c.sub for c in costs) + len(costs))
+            sum(c.size + c.sub for c in costs) + len(costs), tuple(p.tokens))
 
 
-__all__ = ["DEFAULT_LIMITS", "GrammarLimits", "check"]
+__all__ = ["DEFAULT_LIMITS", "GrammarLimits", "check", "syntax_error"]

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from ..errors import ParameterError
+from .scoring import SCORE_ROWS
 
 KV_TYPES = ("f16", "f32", "bf16", "q8_0")
 #: Default bound of the slot bank's warm tier (engine/residency.py): ~65 rank-8 F32 adapters of Gemma 3 270M.
@@ -30,6 +31,8 @@ class EngineOptions:
     the bank's warm tier, prepared slot blocks in host RAM (0: none; see engine/residency.py). deterministic:
     batch-invariant serving (see README, "Deterministic mode"). rpc: llama.cpp RPC workers
     ("host:port", from `loramux rpc-worker`) that hold the base model's layers (see engine/rpc.py).
+    score_rows: full-vocabulary logit rows one decode may compute for prompt scoring while no other request
+    runs (a request that arrives meanwhile waits for that decode; see engine/scoring.py).
     """
 
     n_ctx: int = 4096
@@ -48,6 +51,7 @@ class EngineOptions:
     deterministic: bool = False
     kv_type: str = "f16"
     rpc: tuple[str, ...] = ()
+    score_rows: int = SCORE_ROWS
 
     def __post_init__(self) -> None:
         problems: list[tuple[str, str]] = []
@@ -55,7 +59,7 @@ class EngineOptions:
             object.__setattr__(self, "rpc", parse_endpoints(self.rpc or ()))
         except ParameterError as e:
             problems.append(("rpc", e.message.split(": ", 1)[-1]))
-        for name in ("n_ctx", "n_parallel", "n_batch", "slot_rank"):
+        for name in ("n_ctx", "n_parallel", "n_batch", "slot_rank", "score_rows"):
             if getattr(self, name) < 1:
                 problems.append((name, f"must be ≥ 1 (got {getattr(self, name)})"))
         if self.slots < 0:

@@ -13,11 +13,16 @@ anchors anywhere else, repetition counts above `MAX_REPEAT`.
 In JSON mode (a string schema's `pattern`) the grammar produces the pattern's text as the inside of a
 JSON string: `"` and `\\` come out escaped, and control characters, which JSON cannot hold raw, are
 left out of classes.
+
+Also the GBNF writers the other constraints share: literals and classes, and choice lists as prefix trees
+(`choice_gbnf`: a regex `a|b|c` of plain strings, written so that llama.cpp keeps few stacks).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
+from typing import Any
 
 from ..errors import GrammarError
 
@@ -308,4 +313,39 @@ def regex_to_gbnf(pattern: str, *, param: str, json_string: bool = False, anchor
     return " ".join(([] if start else [f"{anything}*"]) + [expr] + ([] if end else [f"{anything}*"]))
 
 
-__all__ = ["MAX_PATTERN_CHARS", "MAX_REPEAT", "gbnf_class", "gbnf_literal", "regex_to_gbnf"]
+def choice_gbnf(options: list[str]) -> str:
+    """A grammar for exactly one of `options`, their shared prefixes written once (a radix tree, one rule
+    per branching node): llama.cpp keeps one stack per alternative still open, so after `option number `
+    a flat list of 500 `option number N` keeps 500 stacks and checks every candidate token against each,
+    the tree 10."""
+    root: dict[str, Any] = {}  # char-keyed trie; "" marks the end of an option
+    for o in options:
+        node = root
+        for ch in o:
+            node = node.setdefault(ch, {})
+        node[""] = {}
+    rules: list[str] = []
+    todo: list[tuple[str, dict[str, Any]]] = [("root", root)]
+    names = itertools.count(1)
+    while todo:
+        name, node = todo.pop()
+        alts = []
+        for ch, child in node.items():
+            if not ch:
+                continue
+            edge = ch
+            while len(child) == 1 and "" not in child:  # follow the branchless run
+                (nxt, child), = child.items()
+                edge += nxt
+            if set(child) == {""}:
+                alts.append(gbnf_literal(edge))
+            else:
+                sub = f"choice-{next(names)}"
+                todo.append((sub, child))
+                alts.append(f"{gbnf_literal(edge)} {sub}")
+        body = " | ".join(alts)
+        rules.append(f"{name} ::= ( {body} )?" if "" in node else f"{name} ::= {body}")
+    return "\n".join(rules) + "\n"
+
+
+__all__ = ["MAX_PATTERN_CHARS", "MAX_REPEAT", "choice_gbnf", "gbnf_class", "gbnf_literal", "regex_to_gbnf"]

@@ -79,7 +79,8 @@ class Engine:
         self.n_ctx = n_ctx
         self.ctx = Context(model, self._ctx_opts, callback=self.bank.callback if self.bank else None)
         guard = KvGuard(model, self.bank.callback if self.bank else None, opts.kv_type)
-        self.scheduler = Scheduler(model, self.ctx, n_parallel, self.bank, opts.deterministic, guard)
+        self.scheduler = Scheduler(model, self.ctx, n_parallel, self.bank, opts.deterministic, guard,
+                                   score_rows=opts.score_rows)
         self._eval_ctx: Context | None = None
         self._eval_risky = False  # the evaluation context last ran a risky adapter set (kv_guard.py)
         self.control: ControlSetting | None = None  # default control-vector setting (see control.py)

@@ -93,8 +93,9 @@ class Scheduler:
     """Owns the serving context. Only the engine thread calls into it."""
 
     def __init__(self, model: Model, ctx: Context, n_parallel: int, bank: SlotBank | None = None,
-                 deterministic: bool = False, guard: KvGuard | None = None) -> None:
+                 deterministic: bool = False, guard: KvGuard | None = None, score_rows: int = SCORE_ROWS) -> None:
         self.model = model
+        self.score_rows = score_rows  # prompt-scoring rows per decode while nothing else runs (scoring.py)
         self.ctx = ctx
         self.bank = bank
         # The guard checks KV writes through the bank's eval callback, one ubatch per decode on a unified
@@ -401,9 +402,9 @@ class Scheduler:
                 r.n_past += 1
                 r.pending = None
         # full-vocabulary logit rows that prompt scoring may still take this decode: fewer while another
-        # request waits on this thread (each row is a pass over the vocabulary; scoring.py)
-        rows_left = SCORE_ROWS_SHARED if any(q.scoring is None or not q.scoring.scores_prompt
-                                             for q in self.running) else SCORE_ROWS
+        # request runs (each row is an output projection and a pass over the vocabulary; scoring.py)
+        rows_left = min(SCORE_ROWS_SHARED, self.score_rows) if any(
+            q.scoring is None or not q.scoring.scores_prompt for q in self.running) else self.score_rows
         for r in members:
             if r.n_past >= len(r.prompt) or b.n >= b.capacity:
                 continue

@@ -1,9 +1,11 @@
 """Log-probabilities of prompt and generated tokens, computed on the engine thread.
 
 A request that wants them carries a `Scoring`. The scheduler asks it which rows of a prompt chunk
-need logits (only the rows that predict a scored token, at most `SCORE_ROWS` per decode over the
-whole batch: llama.cpp reserves n_outputs × n_vocab floats, 64 MiB for 64 rows of Gemma 3's 262k
-vocabulary), hands it each decoded row, and reports each sampled token. Each row becomes one
+need logits (only the rows that predict a scored token, at most `score_rows` per decode over the
+whole batch, `SCORE_ROWS_SHARED` while another request runs), hands it each decoded row, and reports
+each sampled token. A row is a large cost: llama.cpp's output projection for it (n_embd × n_vocab,
+2-4 ms on Gemma 3 270M, 2 cores) and here a pass over its vocabulary, so a request that arrives while
+a scoring decode runs waits for all of that decode's rows: they are few. Each row becomes one
 `TokenLogprob`: the log-softmax of the logits the engine computed under that request's own adapters,
 read for the chosen token and the top N.
 
@@ -14,6 +16,7 @@ both decode the same batch.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
@@ -28,10 +31,11 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 MAX_TOP_LOGPROBS = 20  # alternatives per token (OpenAI's bound)
-SCORE_ROWS = 64  # full-vocabulary logit rows per decode for prompt scoring, over the whole batch
+# Full-vocabulary logit rows per decode for prompt scoring, over the whole batch, while nothing else runs
+# (the default of EngineOptions.score_rows): 16 rows of Gemma 3 270M take 40-80 ms on 2 cores, which a
+# request arriving meanwhile waits for; 64 would make pure scoring about 15 % faster and that wait 4x longer
+SCORE_ROWS = 16
 # ... while a request that is not scoring its prompt runs too: its tokens wait for each of these decodes
-# (a row of Gemma 3's 262k vocabulary takes 5-25 ms on 2 cores: 64 take a second; 2 keep a
-# neighbour's step near its own length)
 SCORE_ROWS_SHARED = 2
 
 
@@ -51,22 +55,61 @@ class TokenLogprob:
 
 def row_logprob(row: np.ndarray, token: int, top_n: int = 0) -> TokenLogprob:
     """log p(token) from one row of logits, with the `top_n` most likely tokens."""
-    r = row.astype(np.float64)
-    m = r.max()
-    shifted = r - m
-    lse = m + np.log(np.exp(shifted, out=shifted).sum())  # token_nll's expression, without one temporary
+    lse = log_sum_exp(row)
     if not np.isfinite(lse):  # NaN or +Inf logits: no number to report (JSON has none for them either)
         raise FloatingPointError("the logits of this row are not finite (NaN or +Inf)")
-    lp = -float(lse - r[token])  # the negation of token_nll's term, bit for bit
+    lp = -float(lse - np.float64(row[token]))  # the negation of token_nll's term, bit for bit
     # order questions are answered on the float32 row (float64 conversion is exact and monotone): half the bytes
     rank = int(np.count_nonzero(row > row[token])) + 1
     top: tuple[tuple[int, float], ...] = ()
     if top_n > 0:
-        k = min(top_n, row.size)
-        idx = np.argpartition(row, row.size - k)[row.size - k:]
-        idx = idx[np.lexsort((idx, -row[idx]))]
-        top = tuple((int(i), float(r[i] - lse)) for i in idx)
+        top = tuple((int(i), float(np.float64(row[i]) - lse)) for i in top_ids(row, top_n))
     return TokenLogprob(int(token), lp, top, rank)
+
+
+_SCRATCH = threading.local()  # one float64 row per thread: a fresh 2 MiB array a row cost more than the math
+
+
+def log_sum_exp(row: np.ndarray) -> float:
+    """log Σ exp(row), in float64 and max-shifted: `Context.token_nll`'s expression, operation for operation
+    (the same values summed the same way, so the same bits), into a reused buffer instead of two temporaries."""
+    buf = getattr(_SCRATCH, "buf", None)
+    if buf is None or buf.size < row.size:
+        buf = _SCRATCH.buf = np.empty(row.size, np.float64)
+    out = buf[:row.size]
+    m = np.float64(row.max())
+    np.subtract(row, m, out=out, dtype=np.float64)
+    np.exp(out, out=out)
+    return float(m + np.log(out.sum()))
+
+
+TOP_BLOCK = 1024  # top_ids: the row's maxima per block of this many tokens bound the k-th largest value
+
+
+def top_ids(row: np.ndarray, k: int) -> np.ndarray:
+    """The ids of the `k` largest entries, largest first, ties by lower id; exact, in about one pass.
+
+    The k-th largest of the block maxima is at most the row's k-th largest value (k blocks each hold one
+    value at least that large), so every entry of the top k is at or above it: sorting only those is exact.
+    A row with many equal values falls back to a partition of the whole row."""
+    n = row.size
+    k = min(k, n)
+    blocks = n // TOP_BLOCK
+    if blocks >= k:
+        maxima = row[: blocks * TOP_BLOCK].reshape(blocks, TOP_BLOCK).max(axis=1)  # (a ragged tail only adds)
+        edge = np.partition(maxima, maxima.size - k)[maxima.size - k]
+        idx = np.flatnonzero(row >= edge)
+        if idx.size > 64 * TOP_BLOCK:
+            idx = _partition_top(row, n, k)
+    else:
+        idx = _partition_top(row, n, k)
+    return idx[np.lexsort((idx, -row[idx]))][:k]
+
+
+def _partition_top(row: np.ndarray, n: int, k: int) -> np.ndarray:
+    """Every id whose value is at least the k-th largest (ties at the edge all included)."""
+    edge = np.partition(row, n - k)[n - k]
+    return np.flatnonzero(row >= edge)
 
 
 def check_top(name: str, value: int | None) -> int | None:
