@@ -89,7 +89,7 @@ class LoramuxRunner:
 
         req = self.eng.submit(tokens, loras=self.loras, max_tokens=max_tokens, temperature=0.0,
                               ignore_eos=True, on_event=on_event)
-        from loramux.engine.runtime import TextStream
+        from loramux.engine.streams import TextStream
 
         comp = TextStream(req).consume()  # the caller side of Engine.generate
         if comp.completion_tokens != max_tokens:

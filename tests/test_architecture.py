@@ -159,3 +159,60 @@ def test_every_module_is_on_the_map_and_nothing_else():
     gone = sorted(set(mapped) - present)
     assert not missing, f"add these to docs/architecture.md's 'Every module' table: {missing}"
     assert not gone, f"these are listed in docs/architecture.md but no longer exist: {gone}"
+
+
+def _defined(tree: ast.Module) -> set[str]:
+    """Names a module defines at its top level (functions, classes, assignments)."""
+    out: set[str] = set()
+    for n in tree.body:
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(n.name)
+        elif isinstance(n, ast.Assign):
+            out |= {t.id for t in n.targets if isinstance(t, ast.Name)}
+            out |= {e.id for t in n.targets if isinstance(t, ast.Tuple) for e in t.elts if isinstance(e, ast.Name)}
+        elif isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name):
+            out.add(n.target.id)
+    return out
+
+
+def _imported_from(tree: ast.Module, package: str) -> dict[str, str]:
+    """Each name a module's top-level `from X import name` brings in, with the absolute module X."""
+    out: dict[str, str] = {}
+    for n in tree.body:
+        if isinstance(n, ast.ImportFrom):
+            parts = package.split(".")
+            mod = ".".join(parts[: len(parts) - (n.level - 1)] + ([n.module] if n.module else [])) if n.level \
+                else (n.module or "")
+            out.update({a.asname or a.name: mod for a in n.names})
+    return out
+
+
+def test_every_module_has_all_and_each_public_name_one_home():
+    """`__all__` in every module (a package's may list what it re-exports: that is its job); a plain module's
+    `__all__` names only what it defines; and nothing is imported from a plain module that only passes it
+    on from another loramux module: import it from its home."""
+    trees = {p: ast.parse(p.read_text(encoding="utf-8")) for p in ROOT.rglob("*.py") if p.name != "__main__.py"}
+    info = {}
+    for p, tree in trees.items():
+        name = _module_name(p)
+        package = name if p.name == "__init__.py" else name.rsplit(".", 1)[0]
+        info[name] = (p, tree, _defined(tree), _imported_from(tree, package))
+    problems = []
+    for name, (p, tree, defined, _) in info.items():
+        exported = next(([e.value for e in getattr(n.value, "elts", []) if isinstance(e, ast.Constant)]
+                         for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign))
+                         and any(isinstance(t, ast.Name) and t.id == "__all__"
+                                 for t in (n.targets if isinstance(n, ast.Assign) else [n.target]))), None)
+        if exported is None:
+            problems.append(f"{name}: no __all__")
+        elif p.name != "__init__.py":
+            problems += [f"{name}.__all__ lists {x!r}, which it does not define" for x in exported if x not in defined]
+    for name, (_, _, _, imports) in info.items():
+        for imported, source in imports.items():
+            home = info.get(source)
+            if home is None or home[0].name == "__init__.py" or imported in home[2] or f"{source}.{imported}" in info:
+                continue
+            origin = home[3].get(imported, "")
+            if origin.startswith(TOP + ".") or origin == TOP:
+                problems.append(f"{name} imports {imported} from {source}: import it from {origin}")
+    assert not problems, "\n".join(problems)

@@ -124,4 +124,4 @@ class Client:
         self.close()
 
 
-__all__ = ["Client", "ServerError", "factor_tensors"]
+__all__ = ["Client", "factor_tensors"]

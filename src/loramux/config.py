@@ -83,3 +83,7 @@ def default_model_path() -> Path:
             tmp.unlink()
     _default_path = target
     return target
+
+
+__all__ = ["DATA_DIR", "DEFAULT_MODEL_NAME", "DEFAULT_MODEL_PACKAGE", "EXAMPLE_ADAPTER_NAME", "MODEL_ENV",
+           "cache_dir", "data_file", "default_model_path", "embedded_model_in_use", "example_adapter_path"]

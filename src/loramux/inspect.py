@@ -41,3 +41,6 @@ def describe_file(path: str | os.PathLike[str], *, factors: bool = False) -> dic
                 chat_template="yes" if h.metadata.get("tokenizer.chat_template") else "no (built-in fallback)")
     _ = (arch, LORA_B)
     return info
+
+
+__all__ = ["describe_file"]

@@ -69,3 +69,13 @@ from .tensors import tensor_set_2d as tensor_set_2d
 from .tensors import tensor_set_raw as tensor_set_raw
 from .tensors import tensor_view as tensor_view
 from .tensors import zero_rows as zero_rows
+
+__all__ = ["FTYPES", "GRAMMAR_INVALID_CHARS", "GRAMMAR_RESERVED_NAMES", "GREEDY_SCAN", "JSON_GBNF", "KV_TYPES",
+           "OP_MUL_MAT", "OP_SET_ROWS", "PINNED_VERSION", "RPC_CONN_CAPS", "RPC_HELLO", "RPC_PROTO_MAJOR",
+           "TILED_ENV", "AdapterHandle", "Batch", "ContextHandle", "EvalCallback", "GgmlTensor", "GrammarHandle",
+           "MatmulStops", "ModelHandle", "SamplerHandle", "SchemaConverter", "binding_version",
+           "buffer_alignment", "enable_batch_invariant_kernels", "host_bytes", "host_f32_view", "log", "logits_view",
+           "memory_seq_cp", "model_quantize", "node_ne1", "node_op", "node_place", "node_src0", "rpc_broken",
+           "rpc_connected", "rpc_devices", "rpc_on_lost", "rpc_serve", "rpc_supported", "rpc_worker_devices",
+           "sampler_accept", "set_rows_parts", "system_info", "tensor_get", "tensor_host_address", "tensor_name",
+           "tensor_nbytes", "tensor_set", "tensor_set_2d", "tensor_set_raw", "tensor_view", "zero_rows"]

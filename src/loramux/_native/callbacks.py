@@ -70,3 +70,5 @@ def stops_trampoline(stops: MatmulStops) -> Callable[[int, bool, Any], bool]:
         return not ask  # after a node: go on; a failed ask: do not stop there
     return trampoline
 
+
+__all__ = ["MatmulStops", "stops_trampoline"]

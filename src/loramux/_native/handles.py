@@ -396,3 +396,6 @@ def logits_view(ctx: ContextHandle, i: int) -> np.ndarray:
         raise BackendError("llama_get_logits_ith", None, f"no logits for row {i}")
     return np.ctypeslib.as_array(ptr, shape=(ctx.n_vocab,))
 
+
+__all__ = ["KV_TYPES", "AdapterHandle", "Batch", "ContextHandle", "Handle", "ModelHandle", "logits_view",
+           "memory_seq_cp"]

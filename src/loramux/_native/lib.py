@@ -166,3 +166,6 @@ FTYPES: dict[str, int] = {
 }
 FTYPES["F32"] = int(getattr(C, "LLAMA_FTYPE_ALL_F32", 0))
 
+
+__all__ = ["FTYPES", "PINNED_VERSION", "TILED_ENV", "binding_version", "enable_batch_invariant_kernels",
+           "grammar_log", "libggml", "log", "model_quantize", "note_first_decode", "system_info"]

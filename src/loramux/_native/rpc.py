@@ -178,3 +178,6 @@ def rpc_serve(endpoint: str, *, n_threads: int, cache_dir: str | None = None) ->
     devices = (ctypes.c_void_p * len(chosen))(*(d for d, _ in chosen))
     start(endpoint.encode(), os.fsencode(cache_dir) if cache_dir else None, n_threads, len(chosen), devices)
 
+
+__all__ = ["RPC_CONN_CAPS", "RPC_HELLO", "RPC_PROTO_MAJOR", "rpc_broken", "rpc_connected", "rpc_devices",
+           "rpc_on_lost", "rpc_serve", "rpc_supported", "rpc_worker_devices"]

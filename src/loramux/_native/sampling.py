@@ -238,3 +238,6 @@ from llama_cpp.llama_grammar import RESERVED_NAMES as _GRAMMAR_RESERVED  # noqa:
 from llama_cpp.llama_grammar import SchemaConverter as SchemaConverter  # noqa: E402
 
 GRAMMAR_RESERVED_NAMES = frozenset(_GRAMMAR_RESERVED)  # rule names the converter keeps for itself
+
+
+__all__ = ["GRAMMAR_RESERVED_NAMES", "GREEDY_SCAN", "MASK_CHUNK", "GrammarHandle", "SamplerHandle", "sampler_accept"]

@@ -182,3 +182,9 @@ def zero_rows(ptr: int, rows: np.ndarray, row_bytes: int) -> None:
     zeros = np.zeros(row_bytes, np.uint8)
     for r in np.asarray(rows, np.int64):
         tensor_set(ptr, zeros, offset=int(r) * row_bytes)
+
+
+__all__ = ["OP_MUL_MAT", "OP_SET_ROWS", "EvalCallback", "GgmlTensor", "buffer_alignment", "host_bytes",
+           "host_f32_view", "node_ne1", "node_op", "node_place", "node_src0", "set_rows_parts", "tensor_get",
+           "tensor_host_address", "tensor_name", "tensor_nbytes", "tensor_set", "tensor_set_2d", "tensor_set_raw",
+           "tensor_view", "zero_rows"]

@@ -65,3 +65,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+
+
+__all__ = ["COMMAND_GROUPS", "EPILOG", "build_parser", "main"]

@@ -105,3 +105,6 @@ def add_parsers(sub: Any) -> None:
 
 if __name__ == "__main__":
     print(json.dumps(measure(json.loads(sys.argv[1]))))
+
+
+__all__ = ["PROMPT", "add_parsers", "cmd_bench", "measure"]

@@ -37,7 +37,8 @@ def options_from_args(args: argparse.Namespace, **extra: Any) -> EngineOptions:
 
 def engine_from_args(args: argparse.Namespace, **extra: Any) -> Engine:
     """Load an Engine from the shared flags (and its --lora adapters); `extra`: more EngineOptions fields."""
-    from ..engine.runtime import Engine, LoraSpec
+    from ..engine.runtime import Engine
+    from ..engine.specs import LoraSpec
 
     specs = [LoraSpec.parse(s) for s in getattr(args, "lora", [])]
     return Engine.load(args.model, loras=specs, options=options_from_args(args, **extra))
@@ -55,7 +56,7 @@ def apply_control_args(engine: Engine, args: argparse.Namespace) -> None:
     if not getattr(args, "control_vector", None):
         return
     from ..engine.control import ControlSetting, ControlVector, parse_layers
-    from ..engine.runtime import LoraSpec
+    from ..engine.specs import LoraSpec
 
     pairs = []
     for text in args.control_vector:
@@ -63,3 +64,6 @@ def apply_control_args(engine: Engine, args: argparse.Namespace) -> None:
         pairs.append((ControlVector.load(spec.source), spec.scale))
     setting = ControlSetting.build(engine.model, pairs, parse_layers(args.control_vector_layers))
     engine.set_control_vector(setting)
+
+
+__all__ = ["add_control_args", "add_model_args", "apply_control_args", "engine_from_args", "options_from_args"]

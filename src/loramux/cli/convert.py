@@ -50,7 +50,7 @@ def parse_lora_arg(text: str) -> tuple[str, float]:
     """`SRC[:SCALE]` as every command parses it (`LoraSpec.parse`): the part after the last ':' is a
     scale only if it parses as a number, so paths and URLs that contain ':' still work. A merged
     adapter has no name, so a `NAME=` prefix is refused rather than ignored."""
-    from ..engine.runtime import LoraSpec
+    from ..engine.specs import LoraSpec
     from ..errors import ParameterError
 
     spec = LoraSpec.parse(text)
@@ -143,3 +143,7 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--threads", type=int, default=0, help="quantization threads (default: all)")
     p.add_argument("--progress", action="store_true", help="show a progress bar even when not on a terminal")
     p.set_defaults(func=cmd_merge)
+
+
+__all__ = ["CONVERT_EPILOG", "EXPORT_EPILOG", "MERGE_EPILOG", "add_parsers", "cmd_convert", "cmd_export",
+           "cmd_merge", "parse_lora_arg"]

@@ -62,3 +62,6 @@ def add_parsers(sub: Any) -> None:
     t.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     t.set_defaults(func=cmd_cvec_train)
     p.set_defaults(func=lambda _a: (p.print_help(sys.stderr), 1)[1])
+
+
+__all__ = ["add_parsers", "cmd_cvec_train"]

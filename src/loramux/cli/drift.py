@@ -12,7 +12,7 @@ from .common import add_model_args
 
 
 def cmd_drift(args: argparse.Namespace) -> int:
-    from ..engine.runtime import LoraSpec
+    from ..engine.specs import LoraSpec
 
     if len(args.lora) != 1:
         raise ParameterError("--lora", "drift compares the base with one adapter: give --lora SRC exactly once")
@@ -40,3 +40,6 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per continuation (default 32; 0: none)")
     p.add_argument("--json", action="store_true", help="print the report as JSON (for CI)")
     p.set_defaults(func=cmd_drift)
+
+
+__all__ = ["add_parsers", "cmd_drift"]

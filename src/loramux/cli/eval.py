@@ -12,7 +12,8 @@ from .common import add_model_args, options_from_args
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from ..engine.runtime import Engine, LoraSpec
+    from ..engine.runtime import Engine
+    from ..engine.specs import LoraSpec
     from ..evaluate import evaluate, load_items
 
     specs = [LoraSpec.parse(s) for s in args.lora]
@@ -50,7 +51,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _name(source: str) -> str:
-    from ..engine.runtime import adapter_name
+    from ..engine.specs import adapter_name
 
     return adapter_name(source)
 
@@ -83,3 +84,6 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--plot", default=None, metavar="FILE.png", help="bar chart of accuracy and NLL (matplotlib)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.set_defaults(func=cmd_eval)
+
+
+__all__ = ["add_parsers", "cmd_eval"]

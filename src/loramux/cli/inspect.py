@@ -33,3 +33,6 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--factors", action="store_true", help="list every LoRA factor pair with its shapes")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_inspect)
+
+
+__all__ = ["add_parsers", "cmd_inspect"]

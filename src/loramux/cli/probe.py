@@ -25,7 +25,7 @@ def cmd_probe(args: argparse.Namespace) -> int:
         raise ParameterError("--rtol", f"must be a finite number >= 0, got {args.rtol!r}")
     lora = None
     if args.lora:
-        from ..engine.runtime import LoraSpec
+        from ..engine.specs import LoraSpec
 
         spec = LoraSpec.parse(args.lora[0])
         if spec.scale != 1.0:
@@ -104,3 +104,6 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--markdown", action="store_true", help="print the table as markdown")
     p.set_defaults(func=cmd_probe)
+
+
+__all__ = ["SHIPPED", "add_parsers", "cmd_probe"]

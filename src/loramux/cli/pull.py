@@ -43,3 +43,6 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--token", default=None, help="bearer token sent to the source's host only")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_pull)
+
+
+__all__ = ["add_parsers"]

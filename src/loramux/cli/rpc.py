@@ -82,8 +82,9 @@ def _cache(args: argparse.Namespace) -> CacheKeeper | None:
 def cmd_rpc_worker(args: argparse.Namespace) -> int:
     from ..engine import rpc
     from ..engine.model import default_threads
+    from ..engine.options import parse_endpoint
 
-    endpoint = rpc.parse_endpoint(f"{args.host}:{args.port}", "--host/--port")
+    endpoint = parse_endpoint(f"{args.host}:{args.port}", "--host/--port")
     keeper = _cache(args)
     if args.threads is not None and args.threads < 1:
         raise ParameterError("--threads", f"must be ≥ 1 (got {args.threads})")

@@ -56,3 +56,6 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("-q", "--quiet", action="store_true", help="do not echo the prompt")
     p.add_argument("-v", "--verbose", action="store_true", help="print token counts and adapters at the end")
     p.set_defaults(func=cmd_run)
+
+
+__all__ = ["add_parsers", "cmd_run"]

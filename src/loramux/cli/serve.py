@@ -169,7 +169,7 @@ def settings_from_args(args: argparse.Namespace) -> Any:
     """ServerSettings from --config (if any) with the command-line options on top."""
     from ..config import EXAMPLE_ADAPTER_NAME, embedded_model_in_use, example_adapter_path
     from ..engine.options import parse_endpoints
-    from ..engine.runtime import LoraSpec, adapter_name
+    from ..engine.specs import LoraSpec, adapter_name
     from ..server.config import ControlEntry, LoraEntry, ServerSettings
 
     base = ServerSettings.from_toml(args.config) if args.config else ServerSettings()

@@ -111,3 +111,6 @@ def cmd_train_zo(args: argparse.Namespace) -> int:
     if res.checkpoints:
         print(f"checkpoint: {res.checkpoints[-1]}", file=out)
     return 0
+
+
+__all__ = ["EPILOG", "add_parsers", "cmd_train_zo"]

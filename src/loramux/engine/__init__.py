@@ -4,3 +4,5 @@ Inside, dependencies point one way: ``runtime`` (the public ``Engine``) ─► `
 batching) ─► ``bank`` (mixed-adapter slots) and ``registry`` (adapter sets) ─► ``adapters`` and
 ``factor_stage`` (in-place factors) ─► ``model`` (model and contexts) ─► ``loramux._native``.
 """
+
+__all__: list[str] = []  # the package's modules are imported by name; loramux itself re-exports Engine

@@ -455,3 +455,6 @@ def delta_bound_problems(factors: Mapping[str, tuple[np.ndarray, np.ndarray]], a
 def _largest(x: np.ndarray) -> float:
     """max |x| without a temporary |x| array (half the time of np.abs(x).max()); NaN propagates."""
     return float(max(x.max(), -x.min())) if x.size else 0.0
+
+
+__all__ = ["EDIT_WAIT_S", "MAX_DELTA_GAIN", "CheckedAdapter", "LoRAAdapter", "delta_bound_problems"]

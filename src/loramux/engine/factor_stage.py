@@ -317,3 +317,6 @@ def _shape_problem(name: str, f: FactorTensors, a: Any, b: Any) -> str:
     if len(sa) == 2 and len(sb) == 2 and (sa[0] != f.a_shape[0] or sb[1] != f.b_shape[1]):
         hint = f" (rank is fixed at {f.a_shape[0]}: a different rank is a new adapter)"
     return f"{name}: got A{sa} B{sb}, expected A{f.a_shape} B{f.b_shape}{hint}"
+
+
+__all__ = ["MIRROR_MAX_BYTES", "FactorStage", "FactorTensors", "Mirror", "as_float"]

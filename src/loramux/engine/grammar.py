@@ -617,6 +617,6 @@ def union(grammars: Sequence[str]) -> str:
     return "(" + " | ".join(grammars) + ")"
 
 
-__all__ = ["ActiveGrammar", "DEFAULT_LIMITS", "GrammarLimits", "MAX_CHOICES", "MAX_GRAMMAR_CHARS", "MAX_SCHEMA_CHARS", "Grammar", "choice", "gbnf",
+__all__ = ["ActiveGrammar", "MAX_CHOICES", "MAX_GRAMMAR_CHARS", "MAX_SCHEMA_CHARS", "Grammar", "choice", "gbnf",
            "integer_range", "json_object", "json_schema", "number_range", "regex", "schema_rules", "schemas_rules", "union",
            "unenforced"]

@@ -191,3 +191,6 @@ class Context:
 
     def close(self) -> None:
         self.handle.close()
+
+
+__all__ = ["Context", "ContextOptions", "Model", "default_threads"]

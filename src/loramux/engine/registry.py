@@ -132,3 +132,6 @@ def _pairs(loras: Mapping[str, float] | Sequence[Any]) -> list[tuple[str, Any]]:
         else:
             raise ParameterError(f"loras[{i}]", f"expected a name, (name, scale) or {{'name', 'scale'}}, got {item!r}")
     return out
+
+
+__all__ = ["AdapterSet", "LoraArg", "Registry", "check_scale"]

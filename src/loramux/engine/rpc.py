@@ -187,5 +187,5 @@ def release_connections(endpoints: Sequence[str]) -> int:
     return n
 
 
-__all__ = ["INSTALL_HINT", "connect", "lost_error", "on_lost", "parse_endpoint", "parse_endpoints", "probe",
+__all__ = ["INSTALL_HINT", "connect", "lost_error", "on_lost", "probe",
            "release_connections", "wait_for_workers"]

@@ -33,9 +33,10 @@ from .grammar import ActiveGrammar, Grammar
 from .kv_guard import KvGuard
 from .model import Context, ContextOptions, Model, default_threads
 from .options import EngineOptions
+from .phases import alora_phases
 from .registry import AdapterSet, LoraArg, Registry, check_scale
 from .sampling import Completion, SamplingParams
-from .scheduler import Request, Scheduler, alora_phases
+from .scheduler import Request, Scheduler
 from .scoring import Scoring, TokenLogprob, score_many
 from .specs import ControlArg, Inherit, LoraSpec, adapter_name
 from .streams import TextStream
@@ -630,4 +631,4 @@ def _resolve(src: str, **options: Any) -> Path:
 
 
 # LoraSpec, adapter_name, Inherit, ControlArg (specs.py) and TextStream (streams.py) stay importable from here.
-__all__ = ["ControlArg", "Engine", "Inherit", "LoraSpec", "TextStream"]
+__all__ = ["Engine"]

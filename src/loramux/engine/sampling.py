@@ -224,3 +224,6 @@ class TextAssembler:
             self._parts.append(out)
             self.emitted += len(out)
         return out
+
+
+__all__ = ["Completion", "SamplingParams", "StopMatcher", "Tables", "TextAssembler"]

@@ -20,12 +20,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import _native as N
-from ..errors import BackendError, LoramuxError, RequestFailed
+from ..errors import LoramuxError, RequestFailed
 from .bank import SlotBank
 from .grammar import ActiveGrammar
 from .kv_guard import KvGuard, may_leave_bad_values, read_bad_values_error
 from .model import Context, Model
-from .phases import Phase, alora_phases
+from .phases import Phase
 from .sampling import Completion, SamplingParams, TextAssembler
 from .scoring import SCORE_ROWS, SCORE_ROWS_SHARED, Scoring
 
@@ -617,4 +617,4 @@ def _phase_end(r: Request) -> int:
     return len(r.prompt)
 
 
-__all__ = ["Phase", "Request", "Scheduler", "BackendError", "alora_phases"]
+__all__ = ["Request", "Scheduler"]

@@ -450,3 +450,9 @@ def _path_identity(path: str) -> tuple[int, int, int, int] | None:
         return _identity(os.stat(path))
     except OSError:
         return None
+
+
+__all__ = ["ADAPTER_MAX_HEADER", "DEFAULT_ALIGNMENT", "DEFAULT_MAX_HEADER", "GGML_BLOCKS", "GGUF_MAGIC", "INT64_MAX",
+           "MAX_ARRAY", "MAX_COUNT", "MAX_DIMS", "MAX_KEY", "MAX_NAME", "MAX_STRING", "SUPPORTED_VERSIONS",
+           "VALUE_FLOAT32", "VALUE_FORMATS", "VALUE_NAMES", "VALUE_UINT32", "GGUFHeader", "PinnedFile", "TensorInfo",
+           "format_error", "read_float_tensor", "read_header", "tensor_nbytes"]

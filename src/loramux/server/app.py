@@ -233,4 +233,4 @@ def serve_in_thread(app: Any, host: str = "127.0.0.1", port: int = 0, **kwargs: 
     return ServerThread(app, host, port, **kwargs).start()
 
 
-__all__ = ["Guard", "ServerThread", "create_app", "serve_in_thread"]
+__all__ = ["ServerThread", "create_app", "serve_in_thread"]

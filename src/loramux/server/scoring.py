@@ -29,7 +29,7 @@ from .errors import APIError, from_exception
 from .generation import Job
 from .schemas import ChatRequest, CompletionRequest
 from .state import ServerState, Ticket
-from .tools import parse_calls
+from .tool_formats import parse_calls
 
 #: A fan-out: the sub-request of each adapter set, and the set's label.
 Fan = tuple[Sequence[CompletionRequest | ChatRequest], Sequence[str]]

@@ -187,4 +187,4 @@ class ToolStream:
         return parse_calls(self.held, [t.function.name for t in self.plan.tools])
 
 
-__all__ = ["GENERIC_INSTRUCTIONS", "ToolPlan", "ToolStream", "history", "parse_calls", "tool_format"]
+__all__ = ["GENERIC_INSTRUCTIONS", "ToolPlan", "ToolStream", "history", "tool_format"]

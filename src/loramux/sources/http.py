@@ -388,3 +388,6 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     tmp.write_text(json.dumps(data))
     os.replace(tmp, path)
+
+
+__all__ = ["MAX_REDIRECTS", "download", "url_cache_path"]

@@ -214,3 +214,6 @@ def _hf_cache_dir() -> str | None:
     if os.environ.get("HF_HOME"):
         return os.path.join(os.path.expanduser(os.path.expandvars(os.environ["HF_HOME"])), "hub")
     return None  # huggingface_hub's own default
+
+
+__all__ = ["download"]

@@ -336,3 +336,8 @@ class TqdmProgress:
 def tqdm_progress(desc: str, **tqdm_kwargs: Any) -> TqdmProgress:
     """Return a progress callback ``(received, total)`` that shows a tqdm bar labelled ``desc``."""
     return TqdmProgress(desc, **tqdm_kwargs)
+
+
+__all__ = ["ACCEPTED_FORMS", "POLICIES", "SAFE_HEADERS", "CancelToken", "Kind", "Policy", "ProgressCallback",
+           "Source", "SourceOptions", "TqdmProgress", "default_cache_dir", "display", "not_gguf_message",
+           "raise_if_cancelled", "redact", "status_hint", "too_large", "tqdm_progress"]

@@ -216,3 +216,6 @@ def digest(examples: Sequence[Example]) -> str:
     for e in examples:
         h.update(json.dumps([e.tokens, [int(m) for m in e.mask]], separators=(",", ":")).encode())
     return h.hexdigest()
+
+
+__all__ = ["FORMATS", "MAX_LISTED", "DataArg", "Example", "digest", "encode_record", "load_examples", "read_jsonl"]

@@ -591,3 +591,7 @@ def plot_losses(path: str | os.PathLike[str], rows: Sequence[dict[str, Any]]) ->
         fig.savefig(tmp, format="png")
     plt.close(fig)
     return p
+
+
+__all__ = ["CHECKPOINT_FORMAT", "DEFAULT_TARGETS", "LOG_FIELDS", "RMS_BETA", "Factors", "TrainResult", "ZOConfig",
+           "ZOTrainer", "init_factors", "plot_losses", "read_checkpoint", "target_shapes", "train_zo", "write_log"]

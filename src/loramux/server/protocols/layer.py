@@ -31,7 +31,7 @@ from ..errors import APIError, from_exception, validation_error
 from ..generation import Job
 from ..schemas import ChatRequest, CompletionRequest
 from ..state import ServerState
-from ..tools import parse_calls
+from ..tool_formats import parse_calls
 
 M = TypeVar("M", bound=BaseModel)
 Body = ChatRequest | CompletionRequest
