@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_structured import accepts
 
 import loramux as lm
 from loramux import _native as N
@@ -82,20 +83,6 @@ def test_token_references_turn_narrowing_off(eng):
         h.close()
 
 
-def _accepts(model, gram: G.Grammar, text: str) -> bool:
-    """Whether llama.cpp's grammar takes `text` (in the tiny model's byte tokens) and then the end."""
-    g = gram.compile(model)
-    try:
-        for b in text.encode():
-            tok = 3 + b  # <0xNN> byte tokens follow <unk>, <s>, </s>
-            if not g.handle.allows(tok):
-                return False
-            g.accept(tok)
-        return g.handle.allows(model.handle.eos)
-    finally:
-        g.close()
-
-
 CHOICES = [["yes", "no", "yesno", "ye"], [f"option {i}" for i in range(25)], ["a", "aa", "aaa", "ab", "b"],
            ['say "hi"', "say \\n", "sa", "x\u00e9t\u00e9", "x\u00e9"]]
 
@@ -110,4 +97,4 @@ def test_choice_tree_accepts_exactly_the_options(eng, i):
     probes = set(options) | {o[:-1] for o in options} | {o + "a" for o in options} | {o + "0" for o in options}
     probes |= {"", "option 2", "option 30", "yesn", "aab", "abb", "x\u00e9t"}
     for text in sorted(probes):
-        assert _accepts(eng.model, tree, text) == (text in options) == _accepts(eng.model, flat, text), text
+        assert accepts(eng.model, tree, text) == (text in options) == accepts(eng.model, flat, text), text

@@ -138,7 +138,7 @@ def test_strict_refuses_what_it_cannot_enforce():
             G.regex(bad)
 
 
-def _accepts(model, gram: G.Grammar, text: str) -> bool:
+def accepts(model, gram: G.Grammar, text: str) -> bool:
     """Whether llama.cpp's grammar engine takes `text` (spelled in the tiny model's byte tokens) and then EOS."""
     g = gram.compile(model)
     try:
@@ -157,15 +157,15 @@ def test_integer_ranges_are_exact(eng, lo, hi):
     gram = G.Grammar("root ::= " + G.integer_range(lo, hi), "test")
     for v in list(range(-130, 131)) + [1000, -1000, 123456]:
         ok = (lo is None or v >= lo) and (hi is None or v <= hi)
-        assert _accepts(eng.model, gram, str(v)) == ok, (lo, hi, v)
-    assert not _accepts(eng.model, gram, "007")  # JSON has no leading zeros
+        assert accepts(eng.model, gram, str(v)) == ok, (lo, hi, v)
+    assert not accepts(eng.model, gram, "007")  # JSON has no leading zeros
 
 
 def test_number_ranges_are_exact(eng):
     gram = G.Grammar("root ::= " + G.number_range(-2, 3), "test")
     for text, ok in [("0", True), ("-2", True), ("-2.0", True), ("-2.5", False), ("3", True), ("3.00", True),
                      ("3.01", False), ("2.999", True), ("-0.5", True), ("1e3", False), ("4", False)]:
-        assert _accepts(eng.model, gram, text) == ok, text
+        assert accepts(eng.model, gram, text) == ok, text
 
 
 def test_bad_constraints_are_grammar_errors():
