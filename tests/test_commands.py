@@ -65,7 +65,7 @@ COMMANDS: dict[str, Case] = {
     'loramux run -p "The capital of France is"': Case(r"^The capital of France is", "gemma"),
     "curl http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' -d '{\"model\": "
     "\"pirate\", \"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of Germany?\"}], "
-    "\"max_tokens\": 32}'": Case(r'"model":\s*"pirate","choices":\[\{"index":0,"message":\{"role":"assistant"'),
+    "\"max_tokens\": 32}'": Case(r'"model":\s*"pirate",[^\[]*"choices":\[\{"index":0,"message":\{"role":"assistant"'),
     # docs/control.md
     'loramux run --control-vector examples/vectors/happy.gguf:0.25 -p "My week at work was"':
         Case(r"^My week at work was", "gemma"),
