@@ -87,6 +87,9 @@ class ExtraChunk(BaseModel):
     model_config = ConfigDict(extra="forbid")
     text: str = Field(max_length=MAX_PROMPT_CHARS)
     filename: str = Field(default="tmp", max_length=1024)
+    # llama.vim's bookkeeping (when it took the chunk): llama-server reads only text and filename, and so
+    # does loramux; bounded like any field
+    time: list[int] | None = Field(default=None, max_length=16)
 
 
 class InfillRequest(NativeCompletion):
