@@ -42,7 +42,8 @@ def llama_vim_fim(**over) -> dict:
 
 def test_llama_vim_bodies_answered_in_llama_servers_shape(srv):
     """llama.vim's FIM body and its ring-buffer warm-up body are accepted; the answer holds exactly the
-    response_fields asked for; with a seed the sampled infill is the same twice (deterministic seeds)."""
+    response_fields asked for; the same body without n_indent and t_max_predict_ms and with ignore_eos
+    generates the n_predict tokens."""
     r = post(srv, "/infill", llama_vim_fim())
     assert r.status_code == 200, r.text
     out = r.json()
@@ -54,9 +55,9 @@ def test_llama_vim_bodies_answered_in_llama_servers_shape(srv):
             "response_fields": [""]}
     w = post(srv, "/infill", warm)
     assert w.status_code == 200 and w.json() == {}, w.text
-    a, b = (post(srv, "/infill", llama_vim_fim(seed=7, n_indent=0, t_max_predict_ms=-1, n_predict=12))
-            for _ in range(2))
-    assert a.json()["content"] == b.json()["content"]
+    full = post(srv, "/infill", llama_vim_fim(n_indent=0, t_max_predict_ms=-1, n_predict=12, ignore_eos=True,
+                                              response_fields=["tokens_predicted", "stop_type"]))
+    assert full.json() == {"tokens_predicted": 12, "stop_type": "limit"}, full.text
 
 
 def forced(s, **over) -> dict:
@@ -117,7 +118,8 @@ def test_neutral_values_give_the_plain_tokens(srv, field):
 
 def test_non_neutral_samplers_act(srv):
     """XTC at probability 1, threshold 0 removes the greedy token; mirostat 1 and 2, DRY, typical_p give text,
-    the same twice with a seed; `samplers` without top_k samples otherwise than with it at top_k 1."""
+    the same twice with a seed; `samplers` without top_k samples otherwise than with it at top_k 1, the same
+    for the same seed and not for all seeds."""
     base = {"prompt": PROMPT, "n_predict": 8, "temperature": 0, "ignore_eos": True, "return_tokens": True}
     greedy = post(srv, "/completion", base).json()["tokens"]
     xtc = post(srv, "/completion", {**base, "xtc_probability": 1.0, "xtc_threshold": 0.0}).json()["tokens"]
@@ -129,9 +131,9 @@ def test_non_neutral_samplers_act(srv):
         assert a["tokens_predicted"] == 8 and a["tokens"] == b["tokens"], extra
     k1 = {**base, "temperature": 1.0, "top_k": 1, "seed": 3}
     assert post(srv, "/completion", {**k1, "samplers": ["top_k"]}).json()["tokens"] == greedy
-    many = {tuple(post(srv, "/completion", {**k1, "samplers": ["temperature"], "seed": s}).json()["tokens"])
-            for s in range(4)}
-    assert many != {tuple(greedy)}
+    runs = [post(srv, "/completion", {**k1, "samplers": ["temperature"], "seed": s}).json()["tokens"]
+            for s in (0, 0, 1, 2, 3)]
+    assert runs[0] == runs[1] and len({tuple(r) for r in runs}) > 1  # a seed fixes the draw; seeds differ
 
 
 BAD = [("samplers", ["bogus"]), ("samplers", ["adaptive_p"]), ("samplers", "kz"), ("mirostat", 3),
