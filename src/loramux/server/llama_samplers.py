@@ -27,6 +27,12 @@ ALIASES = {"top-k": "top_k", "top-p": "top_p", "nucleus": "top_p", "typical_p": 
            "top-n-sigma": "top_n_sigma", "adaptive-p": "adaptive_p"}
 LETTERS = {"d": "dry", "k": "top_k", "y": "typ_p", "p": "top_p", "s": "top_n_sigma", "m": "min_p",
            "t": "temperature", "x": "xtc", "i": "infill", "e": "penalties", "a": "adaptive_p"}
+# the chain a request without `samplers` gets (llama-server's default order, top_n_sigma left out)
+DEFAULT_ORDER = ("penalties", "dry", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
+# llama-server's defaults of the other samplers' fields, as generation_settings reports them
+DEFAULTS = {"typical_p": 1.0, "xtc_probability": 0.0, "xtc_threshold": 0.1, "mirostat": 0, "mirostat_tau": 5.0,
+            "mirostat_eta": 0.1, "dry_multiplier": 0.0, "dry_base": DRY_BASE, "dry_allowed_length": 2,
+            "dry_penalty_last_n": 64, "n_indent": 0, "t_max_predict_ms": -1}
 BUILT = ("penalties", "dry", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature", "infill")
 PASSED = ("typical_p", "xtc_probability", "xtc_threshold", "mirostat", "mirostat_tau", "mirostat_eta",
           "dry_multiplier", "dry_allowed_length", "dry_penalty_last_n", "n_indent", "t_max_predict_ms")
@@ -70,6 +76,15 @@ class SamplerFields(BaseModel):
             out.append(("dry_sequence_breakers", f"each breaker must be 1 to {MAX_BREAKER_CHARS} characters"))
         return out
 
+    def sampler_settings(self) -> dict[str, Any]:
+        """generation_settings' entries for these fields (llama-server's defaults for those left out)."""
+        out: dict[str, Any] = {k: v if getattr(self, k) is None else getattr(self, k) for k, v in DEFAULTS.items()}
+        args = self.sampler_args()
+        out["dry_base"] = args.get("dry_base", DRY_BASE)
+        out["dry_sequence_breakers"] = list(self.dry_sequence_breakers or ("\n", ":", "\"", "*"))
+        out["samplers"] = list(self.sampler_order() or DEFAULT_ORDER)
+        return out
+
     def sampler_args(self) -> dict[str, Any]:
         """The engine's SamplingParams keywords for the fields that are set."""
         args: dict[str, Any] = {n: getattr(self, n) for n in PASSED if getattr(self, n) is not None}
@@ -82,4 +97,4 @@ class SamplerFields(BaseModel):
         return args
 
 
-__all__ = ["ALIASES", "BUILT", "DRY_BASE", "LETTERS", "MAX_BREAKERS", "MAX_SAMPLERS", "SamplerFields"]
+__all__ = ["ALIASES", "BUILT", "DEFAULTS", "DEFAULT_ORDER", "DRY_BASE", "LETTERS", "MAX_BREAKERS", "MAX_SAMPLERS", "SamplerFields"]

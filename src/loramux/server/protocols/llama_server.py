@@ -280,7 +280,7 @@ def _settings(state: ServerState, op: Opened, body: NativeCompletion) -> dict[st
             "stop": list(b.stops()), "stream": b.stream, "n_probs": n_probs(body), "ignore_eos": b.ignore_eos,
             "timings_per_token": b.timings_per_token, "post_sampling_probs": False,
             "grammar": b.grammar or "", "lora": [{"id": e.id, "scale": e.scale} for e in op.job.entries],
-            "n_ctx": state.engine.n_ctx}
+            "n_ctx": state.engine.n_ctx, **b.sampler_settings()}
 
 
 def _final(state: ServerState, op: Opened, body: NativeCompletion, r: Result, pieces: Pieces,
