@@ -228,3 +228,18 @@ def test_same_llamacpp_metric_families(peer, ours):
                 if line.startswith("llamacpp:") and "spec_decode" not in line}
     theirs, mine = (series(httpx.get(u + "/metrics", timeout=60)) for u in (peer, ours))
     assert theirs and theirs - not_counted <= mine, sorted(theirs - not_counted - mine)
+
+
+
+# n_indent on a text a grammar fixes: the same cut as llama-server's (the ids may differ: the two servers'
+# logits differ on the tiny model, so each may spell the text with other tokens, and where llama-server
+# checks a line depends on its tokens; these texts stop at the same place either way)
+SAME_TEXT = [{"n_indent": 3}, {"n_indent": 1}, {"n_indent": 0}, {"n_indent": 5}]
+
+
+@pytest.mark.parametrize("extra", SAME_TEXT, ids=lambda e: ",".join(f"{k}={v}" for k, v in e.items()))
+def test_same_n_indent_cut_as_llama_server(peer, ours, extra):
+    body = {"prompt": PROMPT, "n_predict": 40, "grammar": 'root ::= "x\\n    y\\n  z\\nw"', "temperature": 0,
+            **extra}
+    theirs, mine = (r.json() for r in both(peer, ours, "POST", "/completion", body))
+    assert (mine["content"], mine["stop_type"]) == (theirs["content"], theirs["stop_type"])
