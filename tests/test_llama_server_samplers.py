@@ -60,6 +60,21 @@ def test_llama_vim_bodies_answered_in_llama_servers_shape(srv):
     assert full.json() == {"tokens_predicted": 12, "stop_type": "limit"}, full.text
 
 
+def test_llama_vscode_bodies(srv):
+    """llama.vscode's FIM request and its cache warm-up (src/llama-server.ts), field for field: accepted,
+    answered with llama-server's fields."""
+    chunks = [{"text": "import os\n", "time": 1733000000000, "filename": "/w/a.py"}]
+    fim = {"input_prefix": "def f(x):\n", "input_suffix": "\n", "input_extra": chunks, "prompt": "    ",
+           "n_predict": 8, "top_k": 40, "top_p": 0.99, "stream": False, "samplers": ["top_k", "top_p", "infill"],
+           "cache_prompt": True, "t_max_prompt_ms": 500, "t_max_predict_ms": 2500}
+    r = post(srv, "/infill", fim)
+    assert r.status_code == 200 and {"content", "tokens_cached", "truncated", "timings"} <= set(r.json()), r.text
+    warm = {**fim, "input_prefix": "", "input_suffix": "", "prompt": "", "n_predict": 1,
+            "samplers": ["temperature"], "t_max_prompt_ms": 1, "t_max_predict_ms": 1}
+    w = post(srv, "/infill", warm)
+    assert w.status_code == 200 and w.json()["generation_settings"]["samplers"] == ["temperature"], w.text
+
+
 def forced(s, **over) -> dict:
     body = {"prompt": PROMPT, "grammar": GRAMMAR, "temperature": 0, "n_predict": 40, **over}
     r = post(s, "/completion", body)

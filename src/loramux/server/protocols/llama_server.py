@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
@@ -87,9 +87,9 @@ class ExtraChunk(BaseModel):
     model_config = ConfigDict(extra="forbid")
     text: str = Field(max_length=MAX_PROMPT_CHARS)
     filename: str = Field(default="tmp", max_length=1024)
-    # llama.vim's bookkeeping (when it took the chunk): llama-server reads only text and filename, and so
-    # does loramux; bounded like any field
-    time: list[int] | None = Field(default=None, max_length=16)
+    # the editor plugins' bookkeeping (when they took the chunk: llama.vim's reltime() list, llama.vscode's
+    # Date.now()): llama-server reads only text and filename, and so does loramux; bounded like any field
+    time: Annotated[list[int], Field(max_length=16)] | float | None = None
 
 
 class InfillRequest(NativeCompletion):
