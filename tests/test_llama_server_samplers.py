@@ -55,6 +55,8 @@ def test_llama_vim_bodies_answered_in_llama_servers_shape(srv):
             "response_fields": [""]}
     w = post(srv, "/infill", warm)
     assert w.status_code == 200 and w.json() == {}, w.text
+    shown = post(srv, "/infill", {**warm, "response_fields": ["generation_settings/samplers"]}).json()
+    assert shown == {"generation_settings/samplers": []}  # an empty chain: only the final draw
     full = post(srv, "/infill", llama_vim_fim(n_indent=0, t_max_predict_ms=-1, n_predict=12, ignore_eos=True,
                                               response_fields=["tokens_predicted", "stop_type"]))
     assert full.json() == {"tokens_predicted": 12, "stop_type": "limit"}, full.text

@@ -22,7 +22,7 @@ from .lib import C, grammar_log
 
 class SamplerHandle(Handle):
     """llama.cpp's sampler chain: logit bias → penalties → top_k → top_p → min_p → temperature → dist (or
-    greedy); with `order`, llama-server's chain of the named samplers in that order (`ordered`)."""
+    greedy); with `order`, llama-server's chain of the named samplers in that order (`_ordered`)."""
 
     _free = staticmethod(C.llama_sampler_free)
 
@@ -31,8 +31,8 @@ class SamplerHandle(Handle):
               repeat_penalty: float, repeat_last_n: int, frequency_penalty: float, presence_penalty: float,
               seed: int, logit_bias: Sequence[tuple[int, float]] = (), order: Sequence[str] | None = None,
               extra: dict[str, Any] | None = None) -> SamplerHandle:
-        """The chain. `order` (llama-server's sampler names) and `extra` (typical_p, xtc_*, dry_*, mirostat*)
-        build llama-server's chain (`ordered`); without them, loramux's fixed chain."""
+        """The chain. `order` (llama-server's sampler names) builds llama-server's chain (`_ordered`), with
+        `extra`'s settings (typical_p, xtc_*, dry_*, mirostat*); without it, loramux's fixed chain."""
         ch = C.llama_sampler_chain_init(C.llama_sampler_chain_default_params())
         h = cls(ch)
         add = lambda s: C.llama_sampler_chain_add(ch, s)  # noqa: E731 - the chain owns each sampler
@@ -43,7 +43,7 @@ class SamplerHandle(Handle):
                 "repeat_penalty": repeat_penalty, "repeat_last_n": repeat_last_n,
                 "frequency_penalty": frequency_penalty, "presence_penalty": presence_penalty, "seed": seed,
                 **(extra or {})}
-        if order is not None or extra:
+        if order is not None:
             _ordered(model, add, order, args)
             return h
         if repeat_penalty != 1.0 or frequency_penalty or presence_penalty:
@@ -68,14 +68,10 @@ class SamplerHandle(Handle):
         C.llama_sampler_accept(self.ptr, token)
 
 
-#: llama-server's default order (common_params_sampling.samplers), top_n_sigma left out (loramux has no field
-#: for it: at its default it does nothing)
-DEFAULT_ORDER = ("penalties", "dry", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
 DRY_BREAKERS = ("\n", ":", "\"", "*")  # llama-server's default dry_sequence_breakers
 
 
-def _ordered(model: ModelHandle, add: Callable[[Any], None], order: Sequence[str] | None,
-             a: dict[str, Any]) -> None:
+def _ordered(model: ModelHandle, add: Callable[[Any], None], order: Sequence[str], a: dict[str, Any]) -> None:
     """llama-server's chain (common_sampler_init): the named samplers in order, then dist; with mirostat,
     temperature then mirostat (v1 or v2) alone, as there. Each sampler at its neutral value is a no-op in
     llama.cpp, so it is left out when neutral (the same tokens, one step fewer)."""
@@ -87,7 +83,7 @@ def _ordered(model: ModelHandle, add: Callable[[Any], None], order: Sequence[str
         add(C.llama_sampler_init_mirostat(model.n_vocab, seed, tau, eta, 100) if mirostat == 1
             else C.llama_sampler_init_mirostat_v2(seed, tau, eta))
         return
-    for name in DEFAULT_ORDER if order is None else order:
+    for name in order:
         s = _one(model, name, a, seed)
         if s is not None:
             add(s)
@@ -310,4 +306,4 @@ from llama_cpp.llama_grammar import SchemaConverter as SchemaConverter  # noqa: 
 GRAMMAR_RESERVED_NAMES = frozenset(_GRAMMAR_RESERVED)  # rule names the converter keeps for itself
 
 
-__all__ = ["DEFAULT_ORDER", "DRY_BREAKERS", "GRAMMAR_RESERVED_NAMES", "GREEDY_SCAN", "MASK_CHUNK", "GrammarHandle", "SamplerHandle", "sampler_accept"]
+__all__ = ["DRY_BREAKERS", "GRAMMAR_RESERVED_NAMES", "GREEDY_SCAN", "MASK_CHUNK", "GrammarHandle", "SamplerHandle", "sampler_accept"]

@@ -77,8 +77,9 @@ class SamplingParams:
         return {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p, "min_p": self.min_p,
                 "repeat_penalty": self.repeat_penalty, "repeat_last_n": self.repeat_last_n,
                 "frequency_penalty": self.frequency_penalty, "presence_penalty": self.presence_penalty,
-                "seed": self.seed, "logit_bias": self.logit_bias, "order": self.samplers,
-                "extra": self.extra_samplers}
+                "seed": self.seed, "logit_bias": self.logit_bias, "extra": self.extra_samplers,
+                "order": self.samplers if self.samplers is not None or not self.extra_samplers
+                else DEFAULT_SAMPLER_ORDER}
 
     def validate(self) -> SamplingParams:
         problems = []
@@ -128,6 +129,9 @@ class SamplingParams:
 
 #: the sampler names a `samplers` order may hold (llama-server's)
 SAMPLER_NAMES = ("penalties", "dry", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature", "infill")
+#: llama-server's default order (common_params_sampling.samplers), used when another sampler is set without an
+#: order; top_n_sigma left out (loramux has no field for it, and at its default it does nothing)
+DEFAULT_SAMPLER_ORDER = ("penalties", "dry", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
 
 
 @dataclass
@@ -293,4 +297,4 @@ class TextAssembler:
         return out
 
 
-__all__ = ["SAMPLER_NAMES", "Completion", "SamplingParams", "StopMatcher", "Tables", "TextAssembler"]
+__all__ = ["DEFAULT_SAMPLER_ORDER", "SAMPLER_NAMES", "Completion", "SamplingParams", "StopMatcher", "Tables", "TextAssembler"]

@@ -17,6 +17,9 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from ..engine.sampling import DEFAULT_SAMPLER_ORDER as DEFAULT_ORDER
+from ..engine.sampling import SAMPLER_NAMES as BUILT
+
 MAX_SAMPLERS = 32  # entries of `samplers`
 MAX_BREAKERS = 64  # entries of `dry_sequence_breakers`
 MAX_BREAKER_CHARS = 64
@@ -27,13 +30,10 @@ ALIASES = {"top-k": "top_k", "top-p": "top_p", "nucleus": "top_p", "typical_p": 
            "top-n-sigma": "top_n_sigma", "adaptive-p": "adaptive_p"}
 LETTERS = {"d": "dry", "k": "top_k", "y": "typ_p", "p": "top_p", "s": "top_n_sigma", "m": "min_p",
            "t": "temperature", "x": "xtc", "i": "infill", "e": "penalties", "a": "adaptive_p"}
-# the chain a request without `samplers` gets (llama-server's default order, top_n_sigma left out)
-DEFAULT_ORDER = ("penalties", "dry", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
 # llama-server's defaults of the other samplers' fields, as generation_settings reports them
 DEFAULTS = {"typical_p": 1.0, "xtc_probability": 0.0, "xtc_threshold": 0.1, "mirostat": 0, "mirostat_tau": 5.0,
             "mirostat_eta": 0.1, "dry_multiplier": 0.0, "dry_base": DRY_BASE, "dry_allowed_length": 2,
             "dry_penalty_last_n": 64, "n_indent": 0, "t_max_predict_ms": -1}
-BUILT = ("penalties", "dry", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature", "infill")
 PASSED = ("typical_p", "xtc_probability", "xtc_threshold", "mirostat", "mirostat_tau", "mirostat_eta",
           "dry_multiplier", "dry_allowed_length", "dry_penalty_last_n", "n_indent", "t_max_predict_ms")
 
@@ -82,7 +82,8 @@ class SamplerFields(BaseModel):
         args = self.sampler_args()
         out["dry_base"] = args.get("dry_base", DRY_BASE)
         out["dry_sequence_breakers"] = list(self.dry_sequence_breakers or ("\n", ":", "\"", "*"))
-        out["samplers"] = list(self.sampler_order() or DEFAULT_ORDER)
+        order = self.sampler_order()
+        out["samplers"] = list(DEFAULT_ORDER if order is None else order)
         return out
 
     def sampler_args(self) -> dict[str, Any]:
@@ -97,4 +98,4 @@ class SamplerFields(BaseModel):
         return args
 
 
-__all__ = ["ALIASES", "BUILT", "DEFAULTS", "DEFAULT_ORDER", "DRY_BASE", "LETTERS", "MAX_BREAKERS", "MAX_SAMPLERS", "SamplerFields"]
+__all__ = ["ALIASES", "DEFAULTS", "DRY_BASE", "LETTERS", "MAX_BREAKERS", "MAX_SAMPLERS", "SamplerFields"]
