@@ -162,3 +162,17 @@ BAD = [("samplers", ["bogus"]), ("samplers", ["adaptive_p"]), ("samplers", "kz")
 def test_bad_values_are_400s_naming_the_field(srv, name, value):
     r = post(srv, "/completion", {"prompt": PROMPT, "n_predict": 1, name: value})
     assert r.status_code == 400 and name in str(r.json()["error"].get("param")), r.text
+
+
+def test_text_since_reads_the_tail_as_the_whole_text_would():
+    """TextAssembler.since (what the n_indent check reads per token) is text[start:] for every start, with and
+    without held-back stop-string text."""
+    import random
+
+    from loramux.engine.sampling import TextAssembler
+    rng = random.Random(0)
+    for trial in range(100):
+        t = TextAssembler(["zz"] if trial % 2 else [])
+        for _ in range(30):
+            t.feed(rng.choice(["a", " ", "\n", "  ", "b\n", "\t", "z"]).encode())
+            assert all(t.since(st) == t.text[st:] for st in range(len(t.text) + 1)), t.text

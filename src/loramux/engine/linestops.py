@@ -36,17 +36,15 @@ class LineStops:
         first token). An indentation stop cuts the output in `text`."""
         stop = False
         if self.has_new_line and self.n_indent > 0:
-            full = text.text
+            line = text.since(self.last_nl)  # the text from the line looked at on: not the whole output
             if self.last_nl > 0:
-                pos = self.last_nl
-                while pos < len(full) and full[pos] in " \t":
-                    pos += 1
-                if pos < len(full) and pos - self.last_nl < self.n_indent:
-                    text.cut(pos)
-                    full, stop = text.text, True
-            nl = full.find("\n", self.last_nl)
+                lead = len(line) - len(line.lstrip(" \t"))
+                if lead < len(line) and lead < self.n_indent:
+                    text.cut(self.last_nl + lead)
+                    line, stop = line[:lead], True
+            nl = line.find("\n")
             if nl >= 0:
-                self.last_nl = nl + 1
+                self.last_nl += nl + 1
         if "\n" in sent:
             self.has_new_line = True
             if self.t_max_s is not None and elapsed_s > self.t_max_s:

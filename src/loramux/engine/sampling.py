@@ -283,6 +283,17 @@ class TextAssembler:
         buf = self._tail if self.stopped else self._tail + self._dec.decode(b"", final=True)
         return self._take(buf, len(buf))
 
+    def since(self, start: int) -> str:
+        """The text from character `start` on (`text[start:]`), reading only the chunks it spans: the cost is
+        that of the result, not of the whole output."""
+        pieces, pos = [self._tail], self.emitted
+        for part in reversed(self._parts):
+            if pos <= start:
+                break
+            pos -= len(part)
+            pieces.append(part)
+        return "".join(reversed(pieces))[start - pos:]
+
     def cut(self, upto: int) -> None:
         """End the text at character `upto` (what was handed out past it stays handed out, as a stream sent
         it; the final text is cut)."""
