@@ -109,7 +109,7 @@ class SamplingParams:
         out = []
         if self.samplers is not None and any(n not in SAMPLER_NAMES for n in self.samplers):
             bad = next(n for n in self.samplers if n not in SAMPLER_NAMES)
-            out.append(("samplers", f"unknown sampler {bad!r}: loramux builds {', '.join(SAMPLER_NAMES)}"))
+            out.append(("samplers", f"unknown sampler {bad[:40]!r}: loramux builds {', '.join(SAMPLER_NAMES)}"))
         if self.mirostat not in (0, 1, 2):
             out.append(("mirostat", "must be 0 (off), 1 (Mirostat) or 2 (Mirostat 2.0)"))
         for name in ("typical_p", "xtc_probability", "xtc_threshold", "mirostat_tau", "mirostat_eta",

@@ -69,7 +69,7 @@ class SamplerFields(BaseModel):
         out = []
         for n in self.sampler_order() or ():
             if n not in BUILT:
-                why = ("adaptive_p is not built by loramux" if n == "adaptive_p" else f"unknown sampler {n!r}")
+                why = ("adaptive_p is not built by loramux" if n == "adaptive_p" else f"unknown sampler {n[:40]!r}")
                 out.append(("samplers", f"{why}: use {', '.join(BUILT)} (or their letters)"))
                 break
         if any(not b or len(b) > MAX_BREAKER_CHARS for b in self.dry_sequence_breakers or ()):
