@@ -42,16 +42,17 @@ pytestmark = pytest.mark.skipif(
 
 # What loramux leaves out of llama-server's answers, by case and dotted path ("*" = any list item); the
 # reasons are docs/llama-server.md's.
-SAMPLERS_NOT_OFFERED = {  # llama.cpp samplers loramux does not offer: DRY, XTC, mirostat, typical, dynamic temp
-    "dynatemp_range", "dynatemp_exponent", "top_n_sigma", "xtc_probability", "xtc_threshold", "typical_p",
-    "repeat_last_n", "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n",
-    "dry_sequence_breakers", "mirostat", "mirostat_tau", "mirostat_eta", "adaptive_target", "adaptive_decay",
+SAMPLERS_NOT_OFFERED = {  # llama.cpp samplers and settings loramux does not offer: dynamic temp, top-n-sigma...
+    "dynatemp_range", "dynatemp_exponent", "top_n_sigma", "repeat_last_n", "adaptive_target", "adaptive_decay",
     "n_keep", "n_discard", "logit_bias", "min_keep", "grammar_lazy", "grammar_triggers", "preserved_tokens",
-    "chat_format", "reasoning_format", "reasoning_in_content", "generation_prompt", "samplers",
+    "chat_format", "reasoning_format", "reasoning_in_content", "generation_prompt",
     "speculative.types", "backend_sampling"}
+PROPS_SAMPLERS = {  # /props' defaults: loramux reports the other samplers per request only (generation_settings)
+    "xtc_probability", "xtc_threshold", "typical_p", "dry_multiplier", "dry_base", "dry_allowed_length",
+    "dry_penalty_last_n", "dry_sequence_breakers", "mirostat", "mirostat_tau", "mirostat_eta", "samplers"}
 OMITTED: dict[str, set[str]] = {
     "completion": {f"generation_settings.{k}" for k in SAMPLERS_NOT_OFFERED},
-    "props": {"default_generation_settings.params." + k for k in SAMPLERS_NOT_OFFERED}
+    "props": {"default_generation_settings.params." + k for k in SAMPLERS_NOT_OFFERED | PROPS_SAMPLERS}
     | {"model_ftype", "media_marker", "ui_settings", "cors_proxy_enabled", "chat_template_tool_use",
        "webui", "webui_settings", "default_generation_settings.id", "default_generation_settings.id_task"},
     # the slot's task, prompt and output: other tenants' data (loramux lists the metrics-only form)
@@ -150,6 +151,19 @@ def chunks(r: httpx.Response) -> list[Any]:
             if line.startswith("data: ") and line != "data: [DONE]"]
 
 
+# llama.vim's FIM request (autoload/llama.vim, llama#fim): its sampling and limit fields, then the whole body
+LLAMA_VIM_FIELDS = {"n_predict": 8, "stop": [], "n_indent": 2, "top_k": 40, "top_p": 0.90, "stream": False,
+                    "samplers": ["top_k", "top_p", "infill"], "cache_prompt": True, "t_max_prompt_ms": 500,
+                    "t_max_predict_ms": 250,
+                    "response_fields": ["content", "timings/prompt_n", "timings/prompt_ms",
+                                        "timings/prompt_per_token_ms", "timings/prompt_per_second",
+                                        "timings/predicted_n", "timings/predicted_ms",
+                                        "timings/predicted_per_token_ms", "timings/predicted_per_second",
+                                        "truncated", "tokens_cached"]}
+LLAMA_VIM_FIM = {"input_prefix": "def f(x):\n", "input_suffix": "\n", "prompt": "    ",
+                 "input_extra": [{"text": "import os\n", "time": [1733, 120000], "filename": "a.py"}],
+                 **LLAMA_VIM_FIELDS}
+
 CASES = [  # (name, method, path, body, how to read it)
     ("completion", "POST", "/completion", {"prompt": PROMPT, "n_predict": 4, "n_probs": 2, "return_tokens": True,
                                            "temperature": 0}, "json"),
@@ -174,6 +188,12 @@ CASES = [  # (name, method, path, body, how to read it)
     ("oai-error", "POST", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "the cat " * 200}]}, "json"),
     ("infill-no-fim", "POST", "/infill", {"input_prefix": "a", "input_suffix": "b"}, "json"),
+    ("infill-no-fim", "POST", "/infill", LLAMA_VIM_FIM, "json"),
+    ("completion", "POST", "/completion", {**LLAMA_VIM_FIELDS, "prompt": PROMPT}, "json"),
+    ("completion", "POST", "/completion", {"prompt": PROMPT, "n_predict": 4, "seed": 3, "typical_p": 0.9,
+                                           "xtc_probability": 0.5, "xtc_threshold": 0.1, "dry_multiplier": 0.8,
+                                           "dry_sequence_breakers": ["\n"], "samplers": "edkypmxt"}, "json"),
+    ("completion", "POST", "/completion", {"prompt": PROMPT, "n_predict": 4, "mirostat": 2}, "json"),
     ("oai-error", "POST", "/chat/completions",
      {"messages": [{"role": "user", "content": "t"}, {"role": "assistant", "content": "t"},
                    {"role": "assistant", "content": "t"}]}, "json"),
@@ -208,3 +228,18 @@ def test_same_llamacpp_metric_families(peer, ours):
                 if line.startswith("llamacpp:") and "spec_decode" not in line}
     theirs, mine = (series(httpx.get(u + "/metrics", timeout=60)) for u in (peer, ours))
     assert theirs and theirs - not_counted <= mine, sorted(theirs - not_counted - mine)
+
+
+
+# n_indent on a text a grammar fixes: the same cut as llama-server's (the ids may differ: the two servers'
+# logits differ on the tiny model, so each may spell the text with other tokens, and where llama-server
+# checks a line depends on its tokens; these texts stop at the same place either way)
+SAME_TEXT = [{"n_indent": 3}, {"n_indent": 1}, {"n_indent": 0}, {"n_indent": 5}]
+
+
+@pytest.mark.parametrize("extra", SAME_TEXT, ids=lambda e: ",".join(f"{k}={v}" for k, v in e.items()))
+def test_same_n_indent_cut_as_llama_server(peer, ours, extra):
+    body = {"prompt": PROMPT, "n_predict": 40, "grammar": 'root ::= "x\\n    y\\n  z\\nw"', "temperature": 0,
+            **extra}
+    theirs, mine = (r.json() for r in both(peer, ours, "POST", "/completion", body))
+    assert (mine["content"], mine["stop_type"]) == (theirs["content"], theirs["stop_type"])

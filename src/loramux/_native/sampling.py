@@ -22,20 +22,30 @@ from .lib import C, grammar_log
 
 class SamplerHandle(Handle):
     """llama.cpp's sampler chain: logit bias → penalties → top_k → top_p → min_p → temperature → dist (or
-    greedy)."""
+    greedy); with `order`, llama-server's chain of the named samplers in that order (`_ordered`)."""
 
     _free = staticmethod(C.llama_sampler_free)
 
     @classmethod
     def chain(cls, model: ModelHandle, *, temperature: float, top_k: int, top_p: float, min_p: float,
               repeat_penalty: float, repeat_last_n: int, frequency_penalty: float, presence_penalty: float,
-              seed: int, logit_bias: Sequence[tuple[int, float]] = ()) -> SamplerHandle:
+              seed: int, logit_bias: Sequence[tuple[int, float]] = (), order: Sequence[str] | None = None,
+              extra: dict[str, Any] | None = None) -> SamplerHandle:
+        """The chain. `order` (llama-server's sampler names) builds llama-server's chain (`_ordered`), with
+        `extra`'s settings (typical_p, xtc_*, dry_*, mirostat*); without it, loramux's fixed chain."""
         ch = C.llama_sampler_chain_init(C.llama_sampler_chain_default_params())
         h = cls(ch)
         add = lambda s: C.llama_sampler_chain_add(ch, s)  # noqa: E731 - the chain owns each sampler
         if logit_bias:  # first, as llama.cpp's common sampler puts it: every later sampler sees the biased logits
             arr = (C.llama_logit_bias * len(logit_bias))(*[C.llama_logit_bias(t, b) for t, b in logit_bias])
             add(C.llama_sampler_init_logit_bias(model.n_vocab, len(logit_bias), arr))  # it copies the array
+        args = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p,
+                "repeat_penalty": repeat_penalty, "repeat_last_n": repeat_last_n,
+                "frequency_penalty": frequency_penalty, "presence_penalty": presence_penalty, "seed": seed,
+                **(extra or {})}
+        if order is not None:
+            _ordered(model, add, order, args)
+            return h
         if repeat_penalty != 1.0 or frequency_penalty or presence_penalty:
             add(_penalties(model, repeat_last_n, repeat_penalty, frequency_penalty, presence_penalty))
         if temperature <= 0:
@@ -56,6 +66,62 @@ class SamplerHandle(Handle):
 
     def accept(self, token: int) -> None:
         C.llama_sampler_accept(self.ptr, token)
+
+
+DRY_BREAKERS = ("\n", ":", "\"", "*")  # llama-server's default dry_sequence_breakers
+
+
+def _ordered(model: ModelHandle, add: Callable[[Any], None], order: Sequence[str], a: dict[str, Any]) -> None:
+    """llama-server's chain (common_sampler_init): the named samplers in order, then dist; with mirostat,
+    temperature then mirostat (v1 or v2) alone, as there. Each sampler at its neutral value is a no-op in
+    llama.cpp, so it is left out when neutral (the same tokens, one step fewer)."""
+    seed = a["seed"] & 0xFFFFFFFF
+    mirostat = a.get("mirostat", 0)
+    if mirostat:
+        add(C.llama_sampler_init_temp(a["temperature"]))
+        tau, eta = a.get("mirostat_tau", 5.0), a.get("mirostat_eta", 0.1)
+        add(C.llama_sampler_init_mirostat(model.n_vocab, seed, tau, eta, 100) if mirostat == 1
+            else C.llama_sampler_init_mirostat_v2(seed, tau, eta))
+        return
+    for name in order:
+        s = _one(model, name, a, seed)
+        if s is not None:
+            add(s)
+    add(C.llama_sampler_init_dist(seed))
+
+
+def _one(model: ModelHandle, name: str, a: dict[str, Any], seed: int) -> Any:
+    """One named sampler of llama-server's chain, or None where it would do nothing."""
+    if name == "penalties":
+        if a["repeat_penalty"] == 1.0 and not a["frequency_penalty"] and not a["presence_penalty"]:
+            return None
+        return _penalties(model, a["repeat_last_n"], a["repeat_penalty"], a["frequency_penalty"],
+                          a["presence_penalty"])
+    if name == "dry":
+        if not a.get("dry_multiplier"):
+            return None
+        breakers = [b.encode("utf-8") for b in a.get("dry_sequence_breakers") or DRY_BREAKERS]
+        arr = (ctypes.c_char_p * len(breakers))(*breakers)
+        return C.llama_sampler_init_dry(model.vocab, a["dry_multiplier"], a.get("dry_base", 1.75),
+                                        a.get("dry_allowed_length", 2), a.get("dry_penalty_last_n", 64),
+                                        arr, len(breakers))  # it copies the strings
+    if name == "top_k":
+        return C.llama_sampler_init_top_k(a["top_k"]) if a["top_k"] > 0 else None
+    if name == "typ_p":
+        p = a.get("typical_p", 1.0)
+        return C.llama_sampler_init_typical(p, 1) if p < 1.0 else None
+    if name == "top_p":
+        return C.llama_sampler_init_top_p(a["top_p"], 1) if a["top_p"] < 1.0 else None
+    if name == "min_p":
+        return C.llama_sampler_init_min_p(a["min_p"], 1) if a["min_p"] > 0 else None
+    if name == "xtc":
+        p, t = a.get("xtc_probability", 0.0), a.get("xtc_threshold", 0.1)
+        return C.llama_sampler_init_xtc(p, t, 1, seed) if p > 0 and t <= 0.5 else None
+    if name == "temperature":
+        return C.llama_sampler_init_temp(a["temperature"])
+    if name == "infill":
+        return C.llama_sampler_init_infill(model.vocab)
+    raise ValueError(f"unknown sampler {name!r}")
 
 
 def _penalties(model: ModelHandle, last_n: int, repeat: float, freq: float, present: float) -> Any:
@@ -240,4 +306,4 @@ from llama_cpp.llama_grammar import SchemaConverter as SchemaConverter  # noqa: 
 GRAMMAR_RESERVED_NAMES = frozenset(_GRAMMAR_RESERVED)  # rule names the converter keeps for itself
 
 
-__all__ = ["GRAMMAR_RESERVED_NAMES", "GREEDY_SCAN", "MASK_CHUNK", "GrammarHandle", "SamplerHandle", "sampler_accept"]
+__all__ = ["DRY_BREAKERS", "GRAMMAR_RESERVED_NAMES", "GREEDY_SCAN", "MASK_CHUNK", "GrammarHandle", "SamplerHandle", "sampler_accept"]

@@ -32,19 +32,54 @@ class SamplingParams:
     logprobs: int | None = None  # top-N log-probabilities of each generated token (None: none; ≤ 20)
     prompt_logprobs: int | None = None  # the same for every prompt token (scoring; see scoring.py)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token, added to its logit) before sampling; -inf bans it
+    # llama-server's other samplers (llama.cpp's own), each at its neutral value by default
+    samplers: tuple[str, ...] | None = None  # the chain's order (SAMPLER_NAMES); None: loramux's fixed chain
+    typical_p: float = 1.0
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
+    mirostat: int = 0  # 1: Mirostat, 2: Mirostat 2.0 (temperature, then it alone, as llama-server)
+    mirostat_tau: float = 5.0
+    mirostat_eta: float = 0.1
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = 64
+    dry_sequence_breakers: tuple[str, ...] = ("\n", ":", "\"", "*")
+    # llama-server's code-completion stops (engine/linestops.py)
+    n_indent: int = 0  # > 0: stop at a new line indented by fewer spaces/tabs, cutting that line
+    t_max_predict_ms: int = -1  # > 0: stop at a new line once this long has passed since the first token
+
+    @property
+    def extra_samplers(self) -> dict[str, Any]:
+        """The non-neutral settings of llama-server's other samplers (empty: loramux's fixed chain does)."""
+        out: dict[str, Any] = {}
+        if self.typical_p < 1.0:
+            out["typical_p"] = self.typical_p
+        if self.xtc_probability > 0 and self.xtc_threshold <= 0.5:
+            out.update(xtc_probability=self.xtc_probability, xtc_threshold=self.xtc_threshold)
+        if self.mirostat:
+            out.update(mirostat=self.mirostat, mirostat_tau=self.mirostat_tau, mirostat_eta=self.mirostat_eta)
+        if self.dry_multiplier and self.dry_penalty_last_n:
+            out.update(dry_multiplier=self.dry_multiplier, dry_base=self.dry_base,
+                       dry_allowed_length=self.dry_allowed_length, dry_penalty_last_n=self.dry_penalty_last_n,
+                       dry_sequence_breakers=self.dry_sequence_breakers)
+        return out
 
     @property
     def plain_greedy(self) -> bool:
         """Greedy with no penalties: a sampler chain would only pick the argmax."""
-        return (self.temperature <= 0 and self.repeat_penalty == 1.0
-                and not self.frequency_penalty and not self.presence_penalty and not self.logit_bias)
+        return (self.temperature <= 0 and self.repeat_penalty == 1.0 and self.samplers is None
+                and not self.frequency_penalty and not self.presence_penalty and not self.logit_bias
+                and not self.extra_samplers)
 
     def sampler_args(self) -> dict[str, Any]:
         """The keywords of llama.cpp's sampler chain (`_native.SamplerHandle.chain`)."""
         return {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p, "min_p": self.min_p,
                 "repeat_penalty": self.repeat_penalty, "repeat_last_n": self.repeat_last_n,
                 "frequency_penalty": self.frequency_penalty, "presence_penalty": self.presence_penalty,
-                "seed": self.seed, "logit_bias": self.logit_bias}
+                "seed": self.seed, "logit_bias": self.logit_bias, "extra": self.extra_samplers,
+                "order": self.samplers if self.samplers is not None or not self.extra_samplers
+                else DEFAULT_SAMPLER_ORDER}
 
     def validate(self) -> SamplingParams:
         problems = []
@@ -62,11 +97,41 @@ class SamplingParams:
             problems.append(("top_p", "must be in [0, 1]"))
         if any(math.isnan(b) or b == math.inf for _, b in self.logit_bias):
             problems.append(("logit_bias", "biases must be numbers (or -inf, which bans the token)"))
+        problems += self._llama_problems()
         if any(not isinstance(s, str) or not s for s in self.stop):
             problems.append(("stop", "stop strings must be non-empty strings"))
         if problems:
             raise ParameterError(problems[0][0], problems[0][1])
         return self
+
+    def _llama_problems(self) -> list[tuple[str, str]]:
+        """llama-server's sampler settings out of their range."""
+        out = []
+        if self.samplers is not None and any(n not in SAMPLER_NAMES for n in self.samplers):
+            bad = next(n for n in self.samplers if n not in SAMPLER_NAMES)
+            out.append(("samplers", f"unknown sampler {bad[:40]!r}: loramux builds {', '.join(SAMPLER_NAMES)}"))
+        if self.mirostat not in (0, 1, 2):
+            out.append(("mirostat", "must be 0 (off), 1 (Mirostat) or 2 (Mirostat 2.0)"))
+        for name in ("typical_p", "xtc_probability", "xtc_threshold", "mirostat_tau", "mirostat_eta",
+                     "dry_multiplier", "dry_base"):
+            v = getattr(self, name)
+            if not math.isfinite(v) or v < 0:
+                out.append((name, f"must be a finite number ≥ 0, got {v}"))
+        if not 0 <= self.xtc_probability <= 1:
+            out.append(("xtc_probability", "must be in [0, 1]"))
+        if self.dry_allowed_length < 0 or self.dry_penalty_last_n < 0 or self.n_indent < 0:
+            out.append(("dry_allowed_length" if self.dry_allowed_length < 0 else "dry_penalty_last_n"
+                        if self.dry_penalty_last_n < 0 else "n_indent", "must be ≥ 0"))
+        if not self.dry_sequence_breakers or any(not isinstance(b, str) or not b for b in self.dry_sequence_breakers):
+            out.append(("dry_sequence_breakers", "must be a non-empty list of non-empty strings"))
+        return out
+
+
+#: the sampler names a `samplers` order may hold (llama-server's)
+SAMPLER_NAMES = ("penalties", "dry", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature", "infill")
+#: llama-server's default order (common_params_sampling.samplers), used when another sampler is set without an
+#: order; top_n_sigma left out (loramux has no field for it, and at its default it does nothing)
+DEFAULT_SAMPLER_ORDER = ("penalties", "dry", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
 
 
 @dataclass
@@ -218,6 +283,23 @@ class TextAssembler:
         buf = self._tail if self.stopped else self._tail + self._dec.decode(b"", final=True)
         return self._take(buf, len(buf))
 
+    def since(self, start: int) -> str:
+        """The text from character `start` on (`text[start:]`), reading only the chunks it spans: the cost is
+        that of the result, not of the whole output."""
+        pieces, pos = [self._tail], self.emitted
+        for part in reversed(self._parts):
+            if pos <= start:
+                break
+            pos -= len(part)
+            pieces.append(part)
+        return "".join(reversed(pieces))[start - pos:]
+
+    def cut(self, upto: int) -> None:
+        """End the text at character `upto` (what was handed out past it stays handed out, as a stream sent
+        it; the final text is cut)."""
+        kept = self.text[:upto]
+        self._parts, self._tail, self.emitted, self.stopped = [kept] if kept else [], "", len(kept), True
+
     def _take(self, buf: str, upto: int) -> str:
         out, self._tail = buf[:upto], buf[upto:]
         if out:
@@ -226,4 +308,4 @@ class TextAssembler:
         return out
 
 
-__all__ = ["Completion", "SamplingParams", "StopMatcher", "Tables", "TextAssembler"]
+__all__ = ["DEFAULT_SAMPLER_ORDER", "SAMPLER_NAMES", "Completion", "SamplingParams", "StopMatcher", "Tables", "TextAssembler"]

@@ -24,6 +24,7 @@ from ..errors import LoramuxError, RequestFailed
 from .bank import SlotBank
 from .grammar import ActiveGrammar
 from .kv_guard import KvGuard, may_leave_bad_values, read_bad_values_error
+from .linestops import LineStops
 from .model import Context, Model
 from .phases import Phase
 from .sampling import Completion, SamplingParams, TextAssembler
@@ -59,6 +60,7 @@ class Request:
     grammar: ActiveGrammar | None = None  # constrained output (grammar.py); checked lazily per token
     slots: list[int] = field(default_factory=list)  # bank slots held while running
     text: TextAssembler | None = None
+    lines: LineStops | None = None  # n_indent / t_max_predict_ms (linestops.py)
     first_token_at: float | None = None
     cached: int = 0  # prompt tokens taken from a slot's KV cache instead of decoded (usage's cached_tokens)
     blocked_step: int | None = None  # decode step at which it first waited for bank slots
@@ -288,6 +290,7 @@ class Scheduler:
             if not r.params.plain_greedy:  # plain greedy reads the argmax directly (see _sample)
                 r.sampler = N.SamplerHandle.chain(self.model.handle, **r.params.sampler_args())
             r.text = TextAssembler(r.params.stop)
+            r.lines = LineStops.make(r.params.n_indent, r.params.t_max_predict_ms)
             self.slots[seq] = r
             self.stats["prompt_tokens"] += len(r.prompt)
             self.stats["prompt_tokens_reused"] += keep
@@ -493,6 +496,8 @@ class Scheduler:
         if r.first_token_at is None:
             r.first_token_at = time.monotonic()
         if (self.model.is_eog(tok) and not r.params.ignore_eos) or tok in r.stop_tokens:
+            if r.lines is not None:  # llama-server checks the end token's (empty) text too: it may cut a line
+                r.lines.stop(r.text, "", time.monotonic() - r.first_token_at)
             self._finish(r, reason="stop")
             return
         r.generated.append(tok)
@@ -502,6 +507,8 @@ class Scheduler:
             r.emit("text", chunk)
         if r.text.stopped:
             self._finish(r, reason="stop")
+        elif r.lines is not None and r.lines.stop(r.text, chunk, time.monotonic() - r.first_token_at):
+            self._finish(r, reason="length")  # llama-server's stop_type "limit"
         elif len(r.generated) >= r.params.max_tokens or r.n_past + 1 >= self._seq_room():
             self._finish(r, reason="length")
         else:

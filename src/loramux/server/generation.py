@@ -102,6 +102,7 @@ def sampling_args(body: SamplingFields, n_prompt: int, n_ctx: int, chat: bool) -
         v = getattr(body, name)
         if v is not None:
             args[name] = v
+    args.update(body.sampler_args())  # llama-server's other samplers and limits (llama_samplers.py)
     return args
 
 

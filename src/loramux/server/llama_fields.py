@@ -12,19 +12,22 @@ Each is honoured or refused with a 400 naming it:
 - `return_tokens`, `response_fields`: honoured on /completion and /infill (their response has those fields);
   refused on the OpenAI routes, whose responses have no place for them (`return_token_ids` there).
 - `post_sampling_probs`, `return_progress`, `verbose`: false only.
+- the other samplers and the code-completion limits: llama_samplers.py.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import Field, model_validator
+
+from .llama_samplers import SamplerFields
 
 MAX_RESPONSE_FIELDS = 64  # entries of `response_fields`
 MAX_N_PROBS = 20  # as MAX_TOP_LOGPROBS: each alternative is a pass over the vocabulary on the engine thread
 
 
-class LlamaFields(BaseModel):
+class LlamaFields(SamplerFields):
     """The llama-server fields of a generation request, mixed into schemas.SamplingFields."""
 
     n_predict: int | None = Field(default=None, ge=-1)
@@ -59,7 +62,7 @@ class LlamaFields(BaseModel):
 
     def llama_unsupported(self) -> list[tuple[str, str]]:
         """(parameter, why) for each llama-server field set to what this route cannot do."""
-        out = []
+        out = self.sampler_problems()
         if self.n_predict == -1 and "messages" not in dict(self):
             out.append(("n_predict", "-1 (no limit) is taken by /completion; on /v1/completions send a number"))
         if self.cache_prompt is False:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
@@ -87,6 +87,9 @@ class ExtraChunk(BaseModel):
     model_config = ConfigDict(extra="forbid")
     text: str = Field(max_length=MAX_PROMPT_CHARS)
     filename: str = Field(default="tmp", max_length=1024)
+    # the editor plugins' bookkeeping (when they took the chunk: llama.vim's reltime() list, llama.vscode's
+    # Date.now()): llama-server reads only text and filename, and so does loramux; bounded like any field
+    time: Annotated[list[int], Field(max_length=16)] | float | None = None
 
 
 class InfillRequest(NativeCompletion):
@@ -277,7 +280,7 @@ def _settings(state: ServerState, op: Opened, body: NativeCompletion) -> dict[st
             "stop": list(b.stops()), "stream": b.stream, "n_probs": n_probs(body), "ignore_eos": b.ignore_eos,
             "timings_per_token": b.timings_per_token, "post_sampling_probs": False,
             "grammar": b.grammar or "", "lora": [{"id": e.id, "scale": e.scale} for e in op.job.entries],
-            "n_ctx": state.engine.n_ctx}
+            "n_ctx": state.engine.n_ctx, **b.sampler_settings()}
 
 
 def _final(state: ServerState, op: Opened, body: NativeCompletion, r: Result, pieces: Pieces,
