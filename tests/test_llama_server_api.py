@@ -209,6 +209,21 @@ def test_openai_shapes_llama_server_adds(srv):
     assert all("timings" in c for c in chunks[1:])
 
 
+
+def test_responses_of_several_sequences_carry_the_fingerprint_and_cached_tokens(srv):
+    """n = 2 and logprobs (the grouped path): system_fingerprint on the body and every chunk, cached_tokens the
+    sum over the sequences (the second reuses the first's prompt), no timings (they describe one sequence)."""
+    s = srv
+    body = {**CHAT, "max_tokens": 3, "temperature": 0, "ignore_eos": True, "n": 2, "logprobs": True}
+    out = post(s, "/v1/chat/completions", body).json()
+    assert len(out["choices"]) == 2 and out["system_fingerprint"].startswith("loramux-") and "timings" not in out
+    cached = out["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert 0 < cached <= out["usage"]["prompt_tokens"]
+    chunks = sse(post(s, "/v1/chat/completions", {**body, "stream": True,
+                                                 "stream_options": {"include_usage": True}}))
+    assert chunks and all(c["system_fingerprint"] == out["system_fingerprint"] for c in chunks)
+    assert chunks[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
 def test_context_error_carries_the_numbers(srv):
     s = srv
     r = post(s, "/completion", {"prompt": "the cat " * 200, "n_predict": 2})

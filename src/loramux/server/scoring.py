@@ -29,6 +29,7 @@ from .errors import APIError, from_exception
 from .generation import Job
 from .schemas import ChatRequest, CompletionRequest
 from .state import ServerState, Ticket
+from .timings import SYSTEM_FINGERPRINT
 from .tool_formats import parse_calls
 
 #: A fan-out: the sub-request of each adapter set, and the set's label.
@@ -295,11 +296,20 @@ def _full_body(group: Group, completions: list[Completion], pieces: Pieces) -> d
         if group.sets is not None:
             choice["adapter_set"] = group.sets[i]
         choices.append(choice)
+    return {"id": group.prefix + group.id, "object": group.obj, "created": group.created, "model": group.model,
+            "system_fingerprint": SYSTEM_FINGERPRINT, "choices": choices, "usage": _usage(group, completions)}
+
+
+def _usage(group: Group, completions: Sequence[Completion]) -> dict[str, Any]:
+    """The group's usage: each prompt's tokens once (as OpenAI counts `n`), every sequence's output, and the
+    prompt tokens reused from the KV cache, counted on the first sequence of each prompt (the others share its
+    prompt, which usage does not count again)."""
     n_prompt = sum(len(p) for p in group.prompts)
     n_gen = sum(len(c.tokens) for c in completions)
-    return {"id": group.prefix + group.id, "object": group.obj, "created": group.created, "model": group.model,
-            "choices": choices,
-            "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen}}
+    firsts = group.jobs[::max(1, group.per_prompt)]
+    cached = sum(int(getattr(j.request, "cached", 0) or 0) for j in firsts if j.request is not None)
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def tool_message(job: Job, text: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -415,7 +425,7 @@ def _chunk(group: Group, index: int, text: str | None, entries: list[TokenLogpro
     if group.sets is not None:
         choice["adapter_set"] = group.sets[index // group.per_prompt]
     return _sse({"id": group.prefix + group.id, "object": obj, "created": group.created, "model": group.model,
-                 "choices": [choice]})
+                 "system_fingerprint": SYSTEM_FINGERPRINT, "choices": [choice]})
 
 
 async def _merged(group: Group) -> AsyncIterator[tuple[int, str, Any]]:
@@ -520,12 +530,9 @@ async def _stream(group: Group) -> AsyncIterator[str]:
     group.finish(200, completions)
     opts = group.body.stream_options
     if opts is not None and opts.include_usage:
-        n_prompt = sum(len(p) for p in group.prompts)
-        n_gen = sum(len(c.tokens) for c in completions)
         yield _sse({"id": group.prefix + group.id, "object": "chat.completion.chunk" if group.chat
-                    else "text_completion", "created": group.created, "model": group.model, "choices": [],
-                    "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_gen,
-                              "total_tokens": n_prompt + n_gen}})
+                    else "text_completion", "created": group.created, "model": group.model,
+                    "system_fingerprint": SYSTEM_FINGERPRINT, "choices": [], "usage": _usage(group, completions)})
     yield "data: [DONE]\n\n"
 
 

@@ -26,10 +26,10 @@ from ..errors import ERROR_SHAPES, APIError
 from ..schemas import MAX_PROMPT_CHARS, ChatRequest, CompletionRequest
 from ..scoring import Pieces
 from ..state import ServerState
+from ..timings import SYSTEM_FINGERPRINT, generated, timings
 from ..tools import ToolPlan, history
 from . import infill, layer
 from .layer import Finished, Opened, Result, TextDelta, TokenProbs
-from .timings import SYSTEM_FINGERPRINT, generated, timings
 
 NATIVE_PATHS = ("/completion", "/infill", "/apply-template", "/props", "/slots")  # also /completions (prefix)
 NATIVE_ONLY = ("return_tokens", "response_fields")  # fields the native response has room for

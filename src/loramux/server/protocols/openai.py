@@ -18,9 +18,9 @@ from ..errors import APIError
 from ..generation import Job
 from ..schemas import ChatRequest, CompletionRequest
 from ..state import ServerState
+from ..timings import SYSTEM_FINGERPRINT, generated, timings
 from . import layer
 from .layer import Call, Finished, Opened, Result, TextDelta
-from .timings import SYSTEM_FINGERPRINT, generated, timings
 
 
 def add_routes(app: FastAPI, state: ServerState) -> None:

@@ -13,8 +13,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ... import __version__
-from ..generation import Job
+from .. import __version__
+from .generation import Job
 
 SYSTEM_FINGERPRINT = f"loramux-{__version__}"
 
