@@ -106,8 +106,10 @@ def sampling_args(body: SamplingFields, n_prompt: int, n_ctx: int, chat: bool) -
     return args
 
 
-def chat_prompt(state: ServerState, body: ChatRequest) -> tuple[list[int], ToolPlan | None]:
-    """The chat's prompt tokens (tools, tool history, template options applied) and its tool plan."""
+def chat_render_args(state: ServerState, body: ChatRequest
+                     ) -> tuple[list[dict[str, Any]], bool, dict[str, Any], ToolPlan | None]:
+    """What the chat template is given for `body`: its messages (tools and tool history applied), whether to
+    add the generation prompt, the template options, and the tool plan (--tool-format applied)."""
     eng = state.engine
     try:
         messages = body.message_dicts()
@@ -120,8 +122,13 @@ def chat_prompt(state: ServerState, body: ChatRequest) -> tuple[list[int], ToolP
     options: dict[str, Any] = {"continue_final_message": body.continue_final_message,
                                "kwargs": body.chat_template_kwargs,
                                "tools": plan.template_tools() if plan is not None and template.handles_tools else None}
-    tokens = eng.chat_tokens(messages, not body.continue_final_message if add is None else add, **options)
-    return tokens, plan
+    return messages, not body.continue_final_message if add is None else add, options, plan
+
+
+def chat_prompt(state: ServerState, body: ChatRequest) -> tuple[list[int], ToolPlan | None]:
+    """The chat's prompt tokens (tools, tool history, template options applied) and its tool plan."""
+    messages, add, options, plan = chat_render_args(state, body)
+    return state.engine.chat_tokens(messages, add, **options), plan
 
 
 def constraint(state: ServerState, body: SamplingFields, plan: ToolPlan | None) -> ActiveGrammar | None:

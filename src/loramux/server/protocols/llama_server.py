@@ -27,7 +27,6 @@ from ..schemas import MAX_PROMPT_CHARS, ChatRequest, CompletionRequest
 from ..scoring import Pieces
 from ..state import ServerState
 from ..timings import SYSTEM_FINGERPRINT, generated, timings
-from ..tools import ToolPlan, history
 from . import infill, layer
 from .layer import Finished, Opened, Result, TextDelta, TokenProbs
 
@@ -158,19 +157,8 @@ def _aliases(app: FastAPI) -> None:
 def _template_text(state: ServerState, body: ChatRequest) -> str:
     """The chat as the template writes it, tools and options applied as generation.chat_prompt does; the
     text that chat_prompt tokenizes (worker thread)."""
-    eng = state.engine
-    try:
-        messages = body.message_dicts()
-    except ValueError as e:
-        raise APIError(400, str(e), code="invalid_request", param="messages") from None
-    template = eng.chat_template()
-    plan = ToolPlan.from_request(body, template)
-    messages = plan.messages(messages, template) if plan is not None else history(messages, template)
-    add = body.add_generation_prompt
-    return eng.apply_chat_template(
-        messages, not body.continue_final_message if add is None else add,
-        continue_final_message=body.continue_final_message, kwargs=body.chat_template_kwargs,
-        tools=plan.template_tools() if plan is not None and template.handles_tools else None)
+    messages, add, options, _ = generation.chat_render_args(state, body)
+    return state.engine.apply_chat_template(messages, add, **options)
 
 
 async def _prompt(state: ServerState, body: NativeCompletion) -> list[int]:
