@@ -104,8 +104,9 @@ class GGUFFormatError(LoramuxError):
 
     code = "invalid_gguf"
 
-    def __init__(self, path: str, message: str):
+    def __init__(self, path: str, message: str, *, field: str | None = None):
         self.path = str(path)
+        self.field = field  # the header field at fault ("general.architecture: string length"), when one is
         super().__init__(f"{path}: {message}",
                          hint="check that the file is a complete GGUF (re-download or re-convert it)")
 
@@ -116,9 +117,11 @@ class AdapterError(LoramuxError):
     code = "invalid_adapter"
 
     def __init__(self, path: str, message: str, *, problems: Iterable[str] = (), hint: str | None = None,
-                 name: str | None = None):
+                 name: str | None = None, fields: Iterable[str] = ()):
         self.path = str(path)
         self.name = name
+        self.fields: list[str] = list(dict.fromkeys(fields))  # every file field at fault ("file": it changed)
+        self.field: str | None = self.fields[0] if self.fields else None  # the first of them
         super().__init__(f"adapter {path}: {message}", problems=problems, hint=hint)
 
 
@@ -367,6 +370,9 @@ class TrainingError(LoramuxError):
     def __init__(self, message: str, *, problems: Iterable[str] = (), hint: str | None = None,
                  step: int | None = None):
         self.step = step
+        # What was learned up to the failure (a train.zo.TrainResult): set by the trainer as the error
+        # leaves it, once the factors are restored and the log written.
+        self.result: object | None = None
         super().__init__(message, problems=problems, hint=hint)
 
 
@@ -385,9 +391,16 @@ class ServerError(LoramuxError):
 
 
 class ProbeMismatch(LoramuxError):
-    """A probe check found rows that moved, or a reference from another build."""
+    """A probe check found rows that moved (`rows`: row -> what moved), or a reference from another build
+    (`foreign`: the build fields on which it differs)."""
 
     code = "probe_mismatch"
+
+    def __init__(self, message: str, *, problems: Iterable[str] = (), hint: str | None = None,
+                 foreign: Iterable[str] = (), rows: dict[str, str] | None = None):
+        self.foreign: list[str] = list(foreign)
+        self.rows: dict[str, str] = dict(rows or {})
+        super().__init__(message, problems=problems, hint=hint)
 
 
 __all__ = [

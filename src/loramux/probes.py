@@ -319,8 +319,7 @@ class ProbeResult:
             e = ProbeMismatch(f"probe differs from {where} ({len(moved)} row(s) moved, {tol}; "
                               f"{len(self.violations)} invariant(s) broken)", problems=problems,
                               hint="something on the forward path changed the numbers; if the change is "
-                                   "intended, write a new reference with --write")
-            e.foreign, e.rows = [], moved
+                                   "intended, write a new reference with --write", rows=moved)
             raise e
         n = 1 if keys else None  # across builds: the row totals only
         pairs = [(a, b) for name in ROWS for a, b in zip([ref.rows[name].nll_sum, *ref.rows[name].per_prompt][:n],
@@ -378,8 +377,7 @@ def _refuse(where: str, foreign: list[str], tolerable: bool) -> NoReturn:
         "Losses differ between builds by small offsets (other kernels, thread splits, model file), "
         "so a probe compares only within one build" + ("" if tolerable else " (another model file or "
                                                        "probe setup is never comparable)"),
-        problems=foreign, hint=hint)
-    e.foreign, e.rows = foreign, {}
+        problems=foreign, hint=hint, foreign=foreign)
     raise e
 
 

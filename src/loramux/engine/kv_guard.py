@@ -131,9 +131,8 @@ def may_leave_bad_values(error: BaseException | None) -> bool:
     logits the guard did not deal with say so, and so does a KV write the guard could not check."""
     if isinstance(error, BackendError):
         return error.function == "KV guard"
-    cause = getattr(error, "cause", None)
-    return isinstance(error, RequestFailed) and isinstance(cause, FloatingPointError) \
-        and not isinstance(cause, KvCacheError)
+    return isinstance(error, RequestFailed) and isinstance(error.cause, FloatingPointError) \
+        and not isinstance(error.cause, KvCacheError)
 
 
 def read_bad_values_error(adapters: Iterable[str]) -> RequestFailed:

@@ -106,7 +106,7 @@ def validate_adapter(path: str | os.PathLike[str], base_arch: str | None = None,
     try:
         h = read_header(p, fd=fd, max_header=ADAPTER_MAX_HEADER)
     except GGUFFormatError as e:
-        raise _adapter_error(p, e.message.removeprefix(f"{e.path}: "), [(getattr(e, "field", "header"), "")],
+        raise _adapter_error(p, e.message.removeprefix(f"{e.path}: "), [(e.field or "header", "")],
                              hint=e.hint) from e
     problems = _adapter_header_problems(h, base_arch)
     shapes, targets, dtypes = {}, [], []
@@ -146,10 +146,8 @@ Problem = tuple[str, str]  # (field, what is wrong with it)
 
 def _adapter_error(p: Path, message: str, problems: list[Problem], *, hint: str | None) -> AdapterError:
     """One AdapterError naming the file; `field` is the first bad field, `fields` every one."""
-    err = AdapterError(str(p), message, problems=[text for _, text in problems if text], hint=hint)
-    err.fields = list(dict.fromkeys(f for f, _ in problems))  # type: ignore[attr-defined]
-    err.field = err.fields[0] if err.fields else None  # type: ignore[attr-defined]
-    return err
+    return AdapterError(str(p), message, problems=[text for _, text in problems if text], hint=hint,
+                        fields=[f for f, _ in problems])
 
 
 def _value_problems(h: GGUFHeader, targets: list[str], fd: int | None) -> list[Problem]:

@@ -72,9 +72,7 @@ _U64 = struct.Struct("<Q")
 
 def format_error(path: str, field: str, problem: str) -> GGUFFormatError:
     """A GGUFFormatError about one field of the header; `err.field` names it."""
-    err = GGUFFormatError(path, f"{field}: {problem}")
-    err.field = field  # type: ignore[attr-defined]
-    return err
+    return GGUFFormatError(path, f"{field}: {problem}", field=field)
 
 
 @dataclass(frozen=True)
@@ -435,10 +433,8 @@ class PinnedFile:
         finally:
             self._finalizer()
         if problems:
-            err = AdapterError(str(self.path), "the file changed while it was being loaded", problems=problems,
-                               hint="load it again once whatever writes it has finished")
-            err.field = "file"  # type: ignore[attr-defined]
-            raise err
+            raise AdapterError(str(self.path), "the file changed while it was being loaded", problems=problems,
+                               hint="load it again once whatever writes it has finished", fields=["file"])
 
 
 def _identity(st: os.stat_result) -> tuple[int, int, int, int]:

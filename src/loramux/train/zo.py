@@ -477,7 +477,7 @@ def _run(engine: Engine, data: DataArg, eval_data: DataArg | None, out: Path, cf
                 break
     except TrainingError as e:
         _finish(tr, log, plot, failed=True)
-        e.result = _result(tr)  # type: ignore[attr-defined]
+        e.result = _result(tr)
         raise
     except KeyboardInterrupt:
         # Ctrl-C may land between θ±εz writes: put the last finished step back and keep what was learned.
