@@ -38,12 +38,12 @@ def stats(eng: lm.Engine, state: Any) -> dict[str, Any]:
     """What the soak checks at idle: memory, and that nothing is left running, queued or referenced."""
     gc.collect()
     snap, counters = eng.scheduler.snapshot(), eng.stats()
-    return {"rss": rss_bytes(), "running": snap["running"], "waiting": snap["waiting"],
+    return {"rss": rss_bytes(), "running": snap.running, "waiting": snap.waiting,
             "in_flight": state.in_flight,
             "adapter_inflight": {e.name: e.inflight for e in state.pool.entries.values()},
             "jobs": sum(isinstance(o, Job) for o in gc.get_objects()),  # generation jobs still alive
             "resident": sorted(eng.adapters),
-            "decode_steps": counters["decode_steps"], "multi_seq_steps": counters["multi_seq_steps"]}
+            "decode_steps": counters.decode_steps, "multi_seq_steps": counters.multi_seq_steps}
 
 
 def main() -> None:

@@ -52,9 +52,9 @@ def main() -> None:
                       "base_texts": len(base_jobs), "same_base_text": same_base,
                       # decode calls for the requests one at a time vs all at once, and how many of the
                       # latter held tokens of several sequences (shared steps, not serialized ones)
-                      "solo_steps": s1["decode_steps"] - s0["decode_steps"],
-                      "batched_steps": s2["decode_steps"] - s1["decode_steps"],
-                      "multi_seq_steps": s2["multi_seq_steps"] - s1["multi_seq_steps"],
+                      "solo_steps": s1.decode_steps - s0.decode_steps,
+                      "batched_steps": s2.decode_steps - s1.decode_steps,
+                      "multi_seq_steps": s2.multi_seq_steps - s1.multi_seq_steps,
                       "llamafile": "LLAMAFILE = 1" in N.system_info()}))
 
 

@@ -41,9 +41,9 @@ def _cases(eng: lm.Engine, a: str, b: str) -> dict:
     eng.set_control_vector(cv, strength=1.0)
     out["control"] = eng.generate(PROMPT, **GREEDY).tokens
     eng.clear_control_vector()
-    before = eng.stats().get("multi_seq_steps", 0)
+    before = eng.stats().multi_seq_steps
     out["bank"] = [c.tokens for c in eng.generate_many([PROMPT, PROMPT], loras=[{"a": 1.0}, {"b": 1.0}], **GREEDY)]
-    out["shared_steps"] = eng.stats().get("multi_seq_steps", 0) - before  # both decoded together
+    out["shared_steps"] = eng.stats().multi_seq_steps - before  # both decoded together
     out["bank_row_transfers"] = dict(eng.bank.transfers) if eng.bank is not None else {}
     return out
 

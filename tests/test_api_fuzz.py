@@ -362,7 +362,7 @@ def _wait_idle(eng: lm.Engine, state: Any, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while True:
         s = eng.scheduler.snapshot()
-        busy = s["running"] + s["waiting"] + state.in_flight + sum(e.inflight for e in state.pool.entries.values())
+        busy = s.running + s.waiting + state.in_flight + sum(e.inflight for e in state.pool.entries.values())
         if not busy or time.monotonic() > deadline:
             break
         time.sleep(0.05)

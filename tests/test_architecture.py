@@ -7,6 +7,8 @@ Every `import`/`from ... import` counts, at module level or inside a function, a
 from __future__ import annotations
 
 import ast
+import dataclasses
+import typing
 from pathlib import Path
 
 import loramux
@@ -216,3 +218,152 @@ def test_every_module_has_all_and_each_public_name_one_home():
             if origin.startswith(TOP + ".") or origin == TOP:
                 problems.append(f"{name} imports {imported} from {source}: import it from {origin}")
     assert not problems, "\n".join(problems)
+
+
+# -- typed records where data crosses modules ---------------------------------------------------------------
+
+def _stats_records() -> list[type]:
+    from loramux.engine.stats import EngineStats, SchedulerSnapshot, SlotWaits
+    from loramux.server.metrics import ServerSnapshot
+    return [EngineStats, SlotWaits, SchedulerSnapshot, ServerSnapshot]
+
+
+def test_stats_and_snapshots_are_frozen_records():
+    """What the engine and the server count crosses into metrics as frozen dataclasses, and every producer
+    says so in its return type: none hands out a string-keyed dict that a reader would `.get(...)` from."""
+    from loramux.engine.runtime import Engine
+    from loramux.engine.scheduler import Scheduler
+    from loramux.engine.stats import EngineStats, SchedulerSnapshot, SlotWaits
+    from loramux.server.metrics import ServerSnapshot
+    from loramux.server.state import ServerState
+    for rec in _stats_records():
+        assert dataclasses.is_dataclass(rec) and rec.__dataclass_params__.frozen, rec  # type: ignore[attr-defined]
+    producers = {Engine.stats: EngineStats, Scheduler.snapshot: SchedulerSnapshot,
+                 Scheduler.slot_wait_quantiles: SlotWaits, ServerState.snapshot: ServerSnapshot}
+    for fn, rec in producers.items():
+        assert typing.get_type_hints(fn)["return"] is rec, fn.__qualname__
+    dicts = []  # any other `stats`/`snapshot` of the engine or the server that returns a dict
+    for p in [*(ROOT / "engine").rglob("*.py"), *(ROOT / "server").rglob("*.py")]:
+        for node in ast.walk(ast.parse(p.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.FunctionDef) and node.name in ("stats", "snapshot") and node.returns is not None \
+                    and "dict" in ast.unparse(node.returns).lower():
+                dicts.append(f"{p.relative_to(ROOT)}:{node.lineno} {node.name}")
+    assert dicts == []
+
+
+def test_metrics_read_stats_by_attribute_only():
+    """server/metrics.py reads no figure by string key (`s["x"]`, `s.get("x", 0)`): a renamed field would
+    read as a KeyError at best and as 0 at worst. (Label lists and prometheus' own label dicts are not
+    figures: a string key is what they are read by, so `labels.get(name)` with a variable is allowed.)"""
+    tree = ast.parse((ROOT / "server" / "metrics.py").read_text(encoding="utf-8"))
+    keyed = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, str):
+            keyed.append(f"{node.lineno}: {ast.unparse(node)}")
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get" \
+                and node.args and isinstance(node.args[0], ast.Constant):
+            keyed.append(f"{node.lineno}: {ast.unparse(node)}")
+        if isinstance(node, (ast.arg, ast.AnnAssign, ast.FunctionDef)):
+            ann = node.annotation if not isinstance(node, ast.FunctionDef) else node.returns
+            if ann is not None and "dict[str, Any]" in ast.unparse(ann):
+                keyed.append(f"{node.lineno}: annotated {ast.unparse(ann)}")
+    assert keyed == []
+
+
+def _record_attribute_reads(path: Path, records: dict[str, type]) -> list[tuple[int, str, type, str]]:
+    """Every `x.a.b` in the file whose root `x` is a parameter or local annotated with a record type (or
+    assigned from such a chain), as (line, chain, the class the last name is read on, that name)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    out = []
+
+    def chain(node: ast.expr) -> list[str] | None:
+        names = []
+        while isinstance(node, ast.Attribute):
+            names.append(node.attr)
+            node = node.value
+        return [node.id, *reversed(names)] if isinstance(node, ast.Name) else None
+
+    def resolve(env: dict[str, type], names: list[str]) -> tuple[type, str, object] | None:
+        """The record the chain's last name is read on, that name, and the type it is declared with."""
+        owner, cls = None, env.get(names[0])
+        for name in names[1:]:
+            if cls is None or not dataclasses.is_dataclass(cls):  # past the records (a Mapping's .items)
+                return None
+            owner, cls = cls, typing.get_type_hints(cls).get(name)
+        return (owner, names[-1], cls) if owner is not None else None
+
+    for fn in ast.walk(tree):
+        if not isinstance(fn, ast.FunctionDef):
+            continue
+        env = {a.arg: records[ast.unparse(a.annotation)] for a in fn.args.args
+               if a.annotation is not None and ast.unparse(a.annotation) in records}
+        for st in sorted((n for n in ast.walk(fn) if isinstance(n, (ast.Assign, ast.AnnAssign))), key=lambda n: n.lineno):
+            target = st.targets[0] if isinstance(st, ast.Assign) else st.target
+            if not isinstance(target, ast.Name):
+                continue
+            if isinstance(st, ast.AnnAssign) and ast.unparse(st.annotation) in records:
+                env[target.id] = records[ast.unparse(st.annotation)]
+            elif st.value is not None and (c := chain(st.value)) and (r := resolve(env, c)) \
+                    and isinstance(r[2], type):
+                env[target.id] = r[2]
+        for node in ast.walk(fn):
+            c = chain(node) if isinstance(node, ast.Attribute) else None
+            if c and c[0] in env and (r := resolve(env, c)):
+                out.append((node.lineno, ".".join(c), r[0], r[1]))
+    return out
+
+
+def test_every_metric_reads_a_field_that_exists_on_its_record():
+    """By introspection: each attribute metrics.py reads on a stats record is a field (or property) of that
+    record, so renaming a field without its reader fails here, before any scrape would read 0."""
+    from loramux.server.metrics import PhaseSeconds
+    records = {rec.__name__: rec for rec in [*_stats_records(), PhaseSeconds]}
+    reads = _record_attribute_reads(ROOT / "server" / "metrics.py", records)
+    missing = [f"metrics.py:{line} {c} ({cls.__name__} has no {name!r})" for line, c, cls, name in reads
+               if name not in {f.name for f in dataclasses.fields(cls)}
+               and not isinstance(getattr(cls, name, None), property)]
+    assert missing == []
+    # the reads seen are the metrics' own (the walk found them): every record's figures are read somewhere
+    seen = {(cls, name) for _, _, cls, name in reads}
+    assert {cls for cls, _ in seen} == set(records.values()), seen
+    assert len(seen) >= 25, sorted(f"{c.__name__}.{n}" for c, n in seen)
+
+
+def test_every_exported_figure_comes_from_its_field():
+    """Render /metrics' text from a snapshot in which every figure is a distinct number: each family shows
+    the number of its own field (a family that read a renamed or wrong field would show another, or fail)."""
+    from loramux.engine.stats import EngineStats, SchedulerSnapshot, SlotWaits
+    from loramux.server.metrics import Metrics, ServerSnapshot
+    counters = EngineStats(**{f.name: 100 + i for i, f in enumerate(dataclasses.fields(EngineStats))})
+    counters = dataclasses.replace(counters, prompt_tokens=1000)  # more than the reused ones
+    eng = SchedulerSnapshot(waiting=3, running=5, kv_used=64, kv_total=256, running_adapters={"a": 2},
+                            waiting_adapters={"b": 1}, slot_waits=SlotWaits(0.25, 0.75, 2.0), counters=counters,
+                            kv_guarded_decodes=7)
+    snap = ServerSnapshot(engine=eng, resident=("a", "c"), known=9, waiting_not_resident=("b",), max_lora=4,
+                          evictions=11, loads={"ok": 12, "error": 13}, in_flight=6)
+    m = Metrics(lambda: snap)
+    m.add_phase_times(2.0, 4.0)
+    text = m.render().decode()
+    values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line and not line.startswith("#")}
+    want = {
+        "vllm:num_requests_waiting": 3, "vllm:num_requests_running": 5, "vllm:kv_cache_usage_perc": 0.25,
+        "vllm:gpu_cache_usage_perc": 0.25, "loramux_kv_cache_usage_ratio": 0.25, "loramux_resident_adapters": 2,
+        "loramux_known_adapters": 9, "loramux_requests_in_flight": 6, "loramux_slot_wait_p50_seconds": 0.25,
+        "loramux_slot_wait_p99_seconds": 0.75, 'loramux_adapter_requests_running{adapter="a"}': 2,
+        'loramux_adapter_requests_waiting{adapter="b"}': 1,
+        "loramux_adapter_switches_total": counters.adapter_switches, "loramux_decode_steps_total": counters.decode_steps,
+        "loramux_adapter_evictions_total": 11, "loramux_kv_guarded_decodes_total": 7,
+        "loramux_kv_guard_failures_total": counters.kv_guard_failures, "loramux_kv_clears_total": counters.kv_clears,
+        "llamacpp:prompt_tokens_total": counters.prompt_tokens - counters.prompt_tokens_reused,
+        "llamacpp:prompt_tokens_cached_total": counters.prompt_tokens_reused,
+        "llamacpp:tokens_predicted_total": counters.generated_tokens, "llamacpp:n_decode_total": counters.decode_steps,
+        "llamacpp:prompt_seconds_total": 2.0, "llamacpp:tokens_predicted_seconds_total": 4.0,
+        "llamacpp:predicted_tokens_seconds": counters.generated_tokens / 4.0, "llamacpp:requests_processing": 5,
+        "llamacpp:requests_deferred": 3, "llamacpp:kv_cache_usage_ratio": 0.25,
+        'loramux_adapter_loads_total{result="ok"}': 12, 'loramux_adapter_loads_total{result="error"}': 13,
+        'vllm:lora_requests_info{max_lora="4",running_lora_adapters="a,c",waiting_lora_adapters="b"}': None,
+    }
+    got = {k: values.get(k) for k in want}
+    assert {k: v for k, v in got.items() if want[k] is not None} == {k: v for k, v in want.items() if v is not None}
+    assert got[next(k for k, v in want.items() if v is None)] is not None  # the info series is there

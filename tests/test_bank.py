@@ -238,7 +238,7 @@ def test_mixed_requests_share_decodes_and_keep_their_adapters(bank_engine):
     sets = SETS * 2
     toks = [eng.tokenize(p) for p in prompts]
     out = eng.generate_many(toks, loras=sets, max_tokens=12, ignore_eos=True)
-    steps_mixed = eng.stats()["decode_steps"]
+    steps_mixed = eng.stats().decode_steps
     solo = [eng.generate(t, loras=s, max_tokens=12, ignore_eos=True) for t, s in zip(toks, sets)]
     assert steps_mixed < sum(len(c.tokens) for c in out)  # sequences really shared decode steps
     good = sum(_own_set_scores_best(eng, t, c, i % len(SETS)) for i, (t, c) in enumerate(zip(toks, out)))

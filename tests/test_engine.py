@@ -101,7 +101,7 @@ def _gen(eng: lm.Engine, loras: dict[str, float]) -> tuple[list[int], dict[str, 
     before = eng.stats()
     tokens = eng.generate(PROMPT, max_tokens=12, ignore_eos=True, loras=loras).tokens
     after = eng.stats()
-    return tokens, {k: after[k] - before[k] for k in ("prompt_tokens_reused", "batch_tokens", "prompt_tokens")}
+    return tokens, {k: getattr(after, k) - getattr(before, k) for k in ("prompt_tokens_reused", "batch_tokens", "prompt_tokens")}
 
 
 def test_prefix_reuse_skips_the_prefix(tiny_model, tiny_dir):
@@ -268,7 +268,7 @@ def test_concurrent_generations_from_threads(tiny_model, tiny_dir):
         # same-set requests are batched together; the tiny F32 model is batch-invariant enough here
         assert all(o is not None for o in out)
         assert sum(o == s for o, s in zip(out, solo)) >= len(sets) // 2
-        assert eng.stats()["decode_steps"] > 0
+        assert eng.stats().decode_steps > 0
     finally:
         eng.close()
 
@@ -304,8 +304,8 @@ def test_a_failing_request_fails_alone(tiny_model, tiny_dir, monkeypatch):
             streams[2].consume()
         assert err.value.stage == "sample" and err.value.adapters == ["a"]
         assert done == solo
-        assert eng.stats()["multi_seq_steps"] > 0  # they really shared decodes with the failing one
-        assert eng.scheduler.snapshot()["running"] == 0
+        assert eng.stats().multi_seq_steps > 0  # they really shared decodes with the failing one
+        assert eng.scheduler.snapshot().running == 0
         monkeypatch.setattr(Scheduler, "_sample", original)
         assert eng.generate(PROMPT, max_tokens=12, loras={"a": 1.0}, ignore_eos=True).tokens == solo[0]
     finally:
@@ -396,9 +396,9 @@ def test_a_request_whose_adapter_overflows_the_kv_cache_cannot_break_the_others_
         assert err.value.adapters == ["hot"] and "KV cache's range" in str(err.value)
         assert [s.consume().tokens for s in streams[1:]] == reference
         guard = eng.scheduler.guard
-        assert guard.zeroed_tokens > 0 and eng.stats()["multi_seq_steps"] > 0
-        assert eng.stats()["kv_guard_failures"] == 1 and eng.scheduler.snapshot()["kv_guarded_decodes"] > 0
-        assert eng.scheduler.snapshot()["running"] == 0
+        assert guard.zeroed_tokens > 0 and eng.stats().multi_seq_steps > 0
+        assert eng.stats().kv_guard_failures == 1 and eng.scheduler.snapshot().kv_guarded_decodes > 0
+        assert eng.scheduler.snapshot().running == 0
     finally:
         eng.close()
 
@@ -427,14 +427,14 @@ def test_an_adapter_the_kv_bound_cannot_clear_is_checked_or_refused(tiny_model, 
             streams = _submitted_together(eng, [(p, {"mild": scale}, True, 6) for p in ("the cat sat", "a dog ran")])
             return [s.consume().tokens for s in streams]
         if slots:
-            steps = eng.stats()["multi_seq_steps"]
+            steps = eng.stats().multi_seq_steps
             with monkeypatch.context() as m:
                 m.setattr(KvGuard, "risky", lambda self, sets: False)
                 reference = pair()  # the same batches, unguarded
                 alone = eng.generate("the cat sat", loras={"mild": scale}, max_tokens=3, ignore_eos=True).tokens
             before = guard.guarded_decodes
             assert pair() == reference
-            assert guard.guarded_decodes > before and eng.stats()["multi_seq_steps"] > steps
+            assert guard.guarded_decodes > before and eng.stats().multi_seq_steps > steps
             before = guard.guarded_decodes
             assert eng.generate("the cat sat", loras={"mild": scale}, max_tokens=3, ignore_eos=True).tokens == alone
             assert guard.guarded_decodes == before + 3  # a single sequence too: its prefill and each token
@@ -442,7 +442,7 @@ def test_an_adapter_the_kv_bound_cannot_clear_is_checked_or_refused(tiny_model, 
             with pytest.raises(ScaleError, match="mild") as err:
                 eng.stream("the cat sat", loras={"mild": scale}, max_tokens=6)
             assert f"|scale| ≤ {guard.safe_scale(eng.registry.get('mild')):.4g}" in str(err.value)
-            assert not eng.scheduler.can_guard and eng.stats()["decode_steps"] == 0
+            assert not eng.scheduler.can_guard and eng.stats().decode_steps == 0
             assert [len(eng.generate("the cat sat", loras={"mild": scale / 4}, max_tokens=6,
                                      ignore_eos=True).tokens)] == [6]  # inside the bound it is served
         assert guard.zeroed_tokens == 0

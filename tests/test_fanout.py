@@ -107,9 +107,9 @@ def test_fanout_through_the_bank_shares_decodes_and_keeps_each_set(tiny_model, a
         for n in ("a", "b", "s1", "s2"):
             eng.load_lora(str(tmp_path / f"{n}~.gguf"), f"{n}~")
         prompt = "a big red dog"
-        steps = eng.stats()["decode_steps"]
+        steps = eng.stats().decode_steps
         body = _fan(srv, prompt, 12)
-        taken = eng.stats()["decode_steps"] - steps
+        taken = eng.stats().decode_steps - steps
         assert taken < 4 * 12  # decoded together, not one set after another
         ptoks = eng.tokenize(prompt)
         for choice, stack in zip(body["choices"], STACKS):

@@ -88,13 +88,13 @@ def test_the_attack_leaves_every_later_request_as_on_a_fresh_engine(tiny_model, 
                 eng.generate(ATTACK, loras={"pirate": HOT}, max_tokens=1)
             assert err.value.adapters == ["pirate"]
             assert eng.scheduler.guard.zeroed_tokens > 0  # its K/V really left F16's range
-            assert eng.stats()["kv_guard_failures"] == 1
+            assert eng.stats().kv_guard_failures == 1
         else:
             with pytest.raises(ScaleError, match=r"pirate × 1000: its keys or values could leave the f16"):
                 eng.generate(ATTACK, loras={"pirate": HOT}, max_tokens=1)
-            assert eng.stats()["decode_steps"] == 0
+            assert eng.stats().decode_steps == 0
         assert follow_ups(eng) == fresh[setting]
-        assert eng.stats()["kv_clears"] == 0
+        assert eng.stats().kv_clears == 0
 
 
 @pytest.mark.parametrize(("kv_type", "flash_attn"), [("f16", True), ("f32", False)])
@@ -131,7 +131,7 @@ def test_an_adapter_written_past_the_bound_while_its_request_runs_is_stopped_bef
         assert ("KV cache's range" if eng.scheduler.can_guard else "pirate × 1: its keys or values could leave") \
             in str(err.value)
         pirate.set_factors_multi(before)
-        assert follow_ups(eng) == fresh[setting] and eng.stats()["kv_clears"] == 0
+        assert follow_ups(eng) == fresh[setting] and eng.stats().kv_clears == 0
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
@@ -145,7 +145,7 @@ def test_cells_that_got_past_the_guard_are_cleared_when_their_request_fails(tiny
         with pytest.raises(RequestFailed, match="not finite") as err:
             eng.generate(ATTACK, loras={"pirate": HOT}, max_tokens=1)
         assert err.value.adapters == ["pirate"] and eng.scheduler.guard.guarded_decodes == 0
-        assert eng.stats()["kv_clears"] == 1
+        assert eng.stats().kv_clears == 1
         assert follow_ups(eng) == fresh[setting]
 
 
@@ -162,7 +162,7 @@ def test_on_a_shared_cache_the_requests_that_read_unchecked_cells_fail_and_later
         with pytest.raises(RequestFailed, match="another request left non-finite keys or values") as err:
             beside.consume()
         assert err.value.adapters == [] and "retry the request" in str(err.value)
-        assert eng.stats()["kv_clears"] == 1 and eng.scheduler.snapshot()["running"] == 0
+        assert eng.stats().kv_clears == 1 and eng.scheduler.snapshot().running == 0
         assert follow_ups(eng) == fresh["parallel 4"]
 
 
@@ -179,9 +179,9 @@ def test_on_per_sequence_streams_a_stream_with_unchecked_cells_is_used_again_onl
         assert eng.call(lambda: set(eng.scheduler.quarantined)) == {hot.request.seq}  # `beside` still runs
         meanwhile = eng.stream("the dog ran", loras={"a": 1.0}, max_tokens=8, ignore_eos=True)
         assert len(meanwhile.consume().tokens) == 8 and meanwhile.request.seq != hot.request.seq
-        assert len(beside.consume().tokens) == 400 and eng.stats()["kv_clears"] == 0
+        assert len(beside.consume().tokens) == 400 and eng.stats().kv_clears == 0
         assert follow_ups(eng) == fresh["slots 0"]  # admitting the first of them cleared the cache
-        assert eng.stats()["kv_clears"] == 1 and not eng.scheduler.quarantined
+        assert eng.stats().kv_clears == 1 and not eng.scheduler.quarantined
 
 
 def submitted_together(eng: lm.Engine, specs: list[tuple[str, dict, int]]) -> list[lm.TextStream]:
@@ -287,4 +287,4 @@ def test_the_attack_through_the_server_leaves_every_later_request_as_on_a_fresh_
             assert r.status_code == 400 and body["code"] == "invalid_scale" and body["param"] == "lora"
             assert "pirate × 1000" in body["message"] and "|scale| ≤" in body["message"]
         assert http_follow_ups(srv) == want
-        assert eng.stats()["kv_clears"] == 0
+        assert eng.stats().kv_clears == 0

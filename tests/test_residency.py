@@ -196,7 +196,7 @@ def test_no_adapter_starves_behind_a_stream_of_requests_on_a_resident_one(tiny_m
             lm.TextStream(r).consume()
         waits = eng.scheduler.slot_wait_quantiles()
     assert finished.index("B") < 5, finished  # before: B came last, after every A
-    assert waits["slot_wait_max_s"] > 0 and waits["slot_wait_p99_s"] <= waits["slot_wait_max_s"]
+    assert waits.max_s > 0 and waits.p99_s <= waits.max_s
 
 
 def _one_adapter_run(tiny_model, files, monkeypatch, native: bool, slots: int = 2):
@@ -210,9 +210,9 @@ def _one_adapter_run(tiny_model, files, monkeypatch, native: bool, slots: int = 
         b1 = eng.generate(toks, loras={"B": 1.0}, max_tokens=4, ignore_eos=True).tokens  # B takes a slot
         a = [eng.generate(toks, loras={"A": 1.0}, max_tokens=30, ignore_eos=True).tokens for _ in range(2)]
         b2 = eng.generate(toks, loras={"B": 1.0}, max_tokens=4, ignore_eos=True).tokens
-        alone = eng.stats()["bank_decodes"]
+        alone = eng.stats().bank_decodes
         eng.generate_many([toks, toks], loras=[{"A": 1.0}, {"B": 1.0}], max_tokens=6, ignore_eos=True)
-        return {"tokens": (b1, a, b2), "alone": alone, "shared": eng.stats()["bank_decodes"] - alone}
+        return {"tokens": (b1, a, b2), "alone": alone, "shared": eng.stats().bank_decodes - alone}
 
 
 def test_decodes_on_one_adapter_set_run_natively(tiny_model, tmp_path, monkeypatch):

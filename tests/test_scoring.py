@@ -83,10 +83,10 @@ def test_long_prompts_are_scored_in_capped_chunks(engine):
     """A prompt longer than SCORE_ROWS is scored completely, never more than SCORE_ROWS logit rows per decode."""
     toks = engine.tokenize(" ".join([TEXT] * 15))[: 2 * SCORE_ROWS + 20]
     assert len(toks) > 2 * SCORE_ROWS
-    before = engine.stats()["decode_steps"]
+    before = engine.stats().decode_steps
     [entries] = engine.score([toks])
     assert len(entries) == len(toks) and all(e.logprob is not None for e in entries[1:])
-    assert engine.stats()["decode_steps"] - before >= math.ceil((len(toks) - 1) / SCORE_ROWS)
+    assert engine.stats().decode_steps - before >= math.ceil((len(toks) - 1) / SCORE_ROWS)
     # other chunks than Engine.loss's one: rounding differs (~1e-7 relative on these F32 weights); this bound
     # only catches a missing, doubled or shifted row, each of which moves the sum by more than 1 %
     assert sum(-e.logprob for e in entries[1:]) == pytest.approx(engine.loss_sum([toks])[0], rel=1e-4)
@@ -122,9 +122,9 @@ def test_banked_scoring_across_adapters_within_the_noise_floor(tiny_model, tiny_
         eng.load_lora(_bumped(tiny_dir / "b.gguf", tmp_path / "b_bump.gguf"), "b_bump")
         toks = eng.tokenize(TEXT)
         sets = [{}, {"a": 1.0}, {"b": 0.5}, {"a": 1.0}]
-        before = eng.stats()["multi_seq_steps"]
+        before = eng.stats().multi_seq_steps
         scored = eng.score([toks] * 4, loras=sets)
-        assert eng.stats()["multi_seq_steps"] > before, "the four prompts never shared a decode"
+        assert eng.stats().multi_seq_steps > before, "the four prompts never shared a decode"
         wants = [np.array(per_token_nll(eng, toks, loras)) for loras in sets]
         floor = max(float(np.abs(np.array(per_token_nll(eng, toks, bumped)) - wants[i]).max())
                     for i, bumped in ((1, {"a_bump": 1.0}), (2, {"b_bump": 0.5})))
@@ -241,9 +241,9 @@ def test_n_sequences_share_the_prompt_kv(srv):
     r = client(s).completions.create(model="a", prompt=prompt, max_tokens=5, temperature=0, n=3)
     after = eng.stats()
     assert [ch.text for ch in r.choices] == [one.choices[0].text] * 3
-    reused = after["prompt_tokens_reused"] - before["prompt_tokens_reused"]
+    reused = after.prompt_tokens_reused - before.prompt_tokens_reused
     assert reused >= 2 * (n_prompt - 1), (reused, n_prompt)
-    assert after["batch_tokens"] - before["batch_tokens"] <= n_prompt + 2 + 3 * 5, "the prompt was decoded again"
+    assert after.batch_tokens - before.batch_tokens <= n_prompt + 2 + 3 * 5, "the prompt was decoded again"
 
 
 def test_prompt_logprobs_in_vllm_shape(srv):

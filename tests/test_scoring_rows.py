@@ -54,10 +54,10 @@ def test_score_rows_bounds_the_rows_of_every_decode(tiny_model):
         eng = lm.Engine.load(tiny_model, n_ctx=256, n_threads=2, score_rows=rows)
         try:
             toks = (eng.tokenize("the cat sat on the mat and the dog ran") * 8)[:60]
-            before = eng.stats()["decode_steps"]
+            before = eng.stats().decode_steps
             [entries] = eng.score([toks])
             assert len(entries) == 60 and all(e.logprob is not None for e in entries[1:])
-            steps[rows] = eng.stats()["decode_steps"] - before
+            steps[rows] = eng.stats().decode_steps - before
         finally:
             eng.close()
     assert steps[4] >= math.ceil(59 / 4) and steps[32] <= 3, steps

@@ -476,12 +476,12 @@ def test_queue_limit_answers_429_with_retry_after(tiny_model, adir):
                 with pytest.raises(openai.RateLimitError):
                     c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
                 snap = eng.scheduler.snapshot()
-                assert snap["running"] + snap["waiting"] <= 2  # refused before reaching the engine
+                assert snap.running + snap.waiting <= 2  # refused before reaching the engine
             finally:
                 for s in streams:
                     s.__exit__(None, None, None)
         wait_for(lambda: state.in_flight == 0, "tickets not released")
-        wait_for(lambda: eng.scheduler.snapshot()["running"] == 0, "sequences not freed")
+        wait_for(lambda: eng.scheduler.snapshot().running == 0, "sequences not freed")
         metrics = httpx.get(srv.url + "/metrics").text
         assert 'loramux_requests_total{model="tiny",status="429"} 2.0' in metrics
         assert "loramux_requests_in_flight 0.0" in metrics
@@ -539,9 +539,9 @@ def test_client_that_stops_reading_is_dropped_and_its_request_cancelled(tiny_mod
         s = raw_http(srv, b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-type: application/json\r\n"
                           b"content-length: %d\r\n\r\n%s" % (len(body), body), rcvbuf=4096)
         try:
-            wait_for(lambda: eng.stats()["generated_tokens"] > 0, "the request never ran")
+            wait_for(lambda: eng.stats().generated_tokens > 0, "the request never ran")
             wait_for(lambda: state.in_flight == 0, "the stalled request was never cancelled", timeout=120)
-            wait_for(lambda: eng.scheduler.snapshot()["running"] == 0, "its sequence was not freed")
+            wait_for(lambda: eng.scheduler.snapshot().running == 0, "its sequence was not freed")
             assert state.pool.entries["a"].inflight == 0
             got = read_until_closed(s)  # what the buffers held, then the server's reset or close
             assert got.startswith(b"HTTP/1.1 200") and b"[DONE]" not in got
@@ -665,8 +665,8 @@ def test_client_that_leaves_after_its_generation_finished_counts_as_cancelled(ti
         s = raw_http(srv, b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-type: application/json\r\n"
                           b"content-length: %d\r\n\r\n%s" % (len(body), body), rcvbuf=4096)
         try:
-            wait_for(lambda: eng.stats()["generated_tokens"] >= 1500, "the generation did not finish")
-            wait_for(lambda: eng.scheduler.snapshot()["running"] == 0, "the sequence was not freed")
+            wait_for(lambda: eng.stats().generated_tokens >= 1500, "the generation did not finish")
+            wait_for(lambda: eng.scheduler.snapshot().running == 0, "the sequence was not freed")
             assert state.in_flight == 1  # ~225 KB of events, a few KB of buffers: the stream is still going
         finally:
             s.close()  # with unread data: a reset

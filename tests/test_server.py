@@ -443,7 +443,7 @@ def _wait_idle(eng: lm.Engine, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         s = eng.scheduler.snapshot()
-        if s["running"] == 0 and s["waiting"] == 0:
+        if s.running == 0 and s.waiting == 0:
             return
         time.sleep(0.05)
     raise AssertionError(f"engine still busy: {eng.scheduler.snapshot()}")
@@ -451,7 +451,7 @@ def _wait_idle(eng: lm.Engine, timeout: float = 60.0) -> None:
 
 def test_disconnect_mid_stream_frees_the_sequence(tiny_model, adir):
     with serving(tiny_model, adir, loras=("a",), n_ctx=4096) as (srv, eng, _):
-        before = eng.stats()["generated_tokens"]
+        before = eng.stats().generated_tokens
         body = {"model": "a", "prompt": PROMPTS[0], "max_tokens": 4000, "temperature": 0, "stream": True,
                 "ignore_eos": True}
         with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
@@ -462,15 +462,15 @@ def test_disconnect_mid_stream_frees_the_sequence(tiny_model, adir):
                     seen += 1
                 if seen >= 3:
                     break
-            assert eng.scheduler.snapshot()["running"] == 1
+            assert eng.scheduler.snapshot().running == 1
             del lines
         _wait_idle(eng)
-        assert eng.stats()["generated_tokens"] - before < 4000
+        assert eng.stats().generated_tokens - before < 4000
         # the same for a non-streaming request whose client gives up
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(srv.url + "/v1/completions", json={**body, "stream": False}, timeout=1.0)
         _wait_idle(eng)
-        assert eng.stats()["generated_tokens"] - before < 8000
+        assert eng.stats().generated_tokens - before < 8000
         text = httpx.get(srv.url + "/metrics").text
         assert _metric(text, 'loramux_requests_total{model="a",status="499"}') == 2
         ok = client(srv).completions.create(model="a", prompt=PROMPTS[0], max_tokens=4)  # still serving
@@ -599,7 +599,7 @@ def _run_mixed(srv: object, eng: lm.Engine, jobs: list[tuple[str, str, int]], ch
             _unload(srv, "s4")  # while a request that uses it is running: it must finish normally
             late_s4 = [("s4", p, 12, ex.submit(_ask, c, "s4", p)) for p in PROMPTS[:3]]
             busy = eng.scheduler.snapshot()
-            assert busy["running"] + busy["waiting"] > 0, "the run ended before the hot load"
+            assert busy.running + busy.waiting > 0, "the run ended before the hot load"
             _load(srv, "s5")
             late_s5 = [("s5", p, 12, ex.submit(_ask, c, "s5", p)) for p in PROMPTS[:6]]
 
@@ -672,11 +672,11 @@ def test_crosstalk_parallel_8_scored(tiny_model, adir, churn, slots):
                  n_ctx=1100) as (srv, eng, _):
         c = client(srv)
         solo = {k: _ask(c, *k)[0] for k in set(jobs)}
-        before = eng.stats()["multi_seq_steps"]
+        before = eng.stats().multi_seq_steps
         main, late_s5, late_s4 = _run_mixed(srv, eng, jobs, churn)
         ok = _check_failures(main, late_s5, late_s4)
         _check_count(ok, jobs, late_s5, churn)
-        assert eng.stats()["multi_seq_steps"] > before, "no decode held two sequences: nothing was batched"
+        assert eng.stats().multi_seq_steps > before, "no decode held two sequences: nothing was batched"
         _wait_idle(eng)
         for name in STRONG:  # every set in play, for scoring
             if name not in eng.adapters:
@@ -718,11 +718,11 @@ def test_crosstalk_gemma_parallel_8_scored(gemma_path, tmp_path):
         jobs = [(m, p, 16) for m in sets for p in prompts]
         c = client(srv)
         solo = {k: _ask(c, *k)[0] for k in jobs}
-        before = eng.stats()["multi_seq_steps"]
+        before = eng.stats().multi_seq_steps
         with ThreadPoolExecutor(len(jobs)) as ex:
             batched = list(ex.map(lambda k: _ask(c, *k), jobs))
         assert len(batched) == len(jobs) == 12
-        assert eng.stats()["multi_seq_steps"] > before, "no decode held two sequences: nothing was batched"
+        assert eng.stats().multi_seq_steps > before, "no decode held two sequences: nothing was batched"
         for (m, p, _), (_, prompt_ids, out_ids) in zip(jobs, batched):
             mask = [False] * len(prompt_ids) + [True] * len(out_ids)
             nll = {s: eng.loss_sum([prompt_ids + out_ids], loras=lo, masks=[mask])[0] / len(out_ids)

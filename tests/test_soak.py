@@ -217,9 +217,9 @@ def test_soak(tiny_model: Path, soak_dir: Path) -> None:
 def _wait_idle(eng: lm.Engine, timeout: float = 120.0) -> None:
     """Wait (bounded) until every cut or abandoned request has freed its sequence."""
     deadline = time.monotonic() + timeout
-    while (s := eng.scheduler.snapshot())["running"] + s["waiting"] and time.monotonic() < deadline:
+    while (s := eng.scheduler.snapshot()).running + s.waiting and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert s["running"] == 0 and s["waiting"] == 0, s
+    assert s.running == 0 and s.waiting == 0, s
 
 
 def _metrics_once_counted(url: str, served: int, timeout: float = 30.0) -> str:

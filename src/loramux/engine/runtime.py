@@ -39,6 +39,7 @@ from .sampling import Completion, SamplingParams
 from .scheduler import Request, Scheduler
 from .scoring import Scoring, TokenLogprob, score_many
 from .specs import ControlArg, Inherit, LoraSpec, adapter_name
+from .stats import EngineStats
 from .streams import TextStream
 from .versions import PushGate, check_factors, must_check
 
@@ -563,8 +564,9 @@ class Engine:
         return ctx
 
     # ------------------------------------------------------------------ lifecycle
-    def stats(self) -> dict[str, int]:
-        return dict(self.scheduler.stats)
+    def stats(self) -> EngineStats:
+        """The serving context's counters since start (a copy; read by attribute: see engine/stats.py)."""
+        return self.scheduler.stats.frozen()
 
     def close(self) -> None:
         """Stop the engine thread, fail queued requests, free adapters, contexts and the model. Idempotent."""

@@ -29,6 +29,7 @@ from .model import Context, Model
 from .phases import Phase
 from .sampling import Completion, SamplingParams, TextAssembler
 from .scoring import SCORE_ROWS, SCORE_ROWS_SHARED, Scoring
+from .stats import Counters, SchedulerSnapshot, SlotWaits
 
 log = logging.getLogger("loramux")
 
@@ -117,12 +118,7 @@ class Scheduler:
         self.group_steps = 0
         self.applied_cvec: Any = None
         self._slot_waits: deque[float] = deque(maxlen=SLOT_WAITS_KEPT)
-        # prompt_tokens_reused: prefix tokens taken from a slot's cache instead of decoded again;
-        # batch_tokens: tokens sent to llama_decode; multi_seq_steps: decodes holding several sequences;
-        # bank_decodes: decodes through the bank's masks (the others had one adapter set for all tokens).
-        self.stats = {"adapter_switches": 0, "decode_steps": 0, "prompt_tokens": 0, "generated_tokens": 0,
-                      "prompt_tokens_reused": 0, "batch_tokens": 0, "multi_seq_steps": 0, "kv_guard_failures": 0,
-                      "bank_decodes": 0, "kv_clears": 0}
+        self.stats = Counters()  # engine thread only; readers get `stats.frozen()` (stats.py)
 
     # -- bookkeeping --------------------------------------------------------------------------
     @property
@@ -148,7 +144,7 @@ class Scheduler:
         assert self.bank is not None
         self.bank.prefetch([a for ph in req.phases for a, _ in ph.adapters.items])
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> SchedulerSnapshot:
         """Load figures for metrics. Safe from any thread: it reads copies, so values may be a step old."""
         waiting = list(self.waiting)
         running = [r for r in list(self.slots) if r is not None]
@@ -159,10 +155,11 @@ class Scheduler:
                 for a, _ in r.phases[-1].adapters.items:
                     out[a.name] = out.get(a.name, 0) + 1
             return out
-        return {"waiting": len(waiting), "running": len(running), "kv_used": sum(r.n_past for r in running),
-                "kv_total": self.ctx.n_ctx, "running_adapters": per_adapter(running),
-                "waiting_adapters": per_adapter(waiting), **self.slot_wait_quantiles(), **dict(self.stats),
-                "kv_guarded_decodes": self.guard.guarded_decodes if self.guard is not None else 0}
+        return SchedulerSnapshot(
+            waiting=len(waiting), running=len(running), kv_used=sum(r.n_past for r in running),
+            kv_total=self.ctx.n_ctx, running_adapters=per_adapter(running), waiting_adapters=per_adapter(waiting),
+            slot_waits=self.slot_wait_quantiles(), counters=self.stats.frozen(),
+            kv_guarded_decodes=self.guard.guarded_decodes if self.guard is not None else 0)
 
     # -- one step -----------------------------------------------------------------------------
     def step(self) -> None:
@@ -187,11 +184,11 @@ class Scheduler:
             for r, _ in plan:
                 self._finish(r, error=err)
             return
-        self.stats["decode_steps"] += 1
-        self.stats["bank_decodes"] += masked
+        self.stats.decode_steps += 1
+        self.stats.bank_decodes += masked
         b = self.ctx.batch
-        self.stats["batch_tokens"] += b.n
-        self.stats["multi_seq_steps"] += int(b.n > 0 and bool((b.seq[: b.n] != b.seq[0]).any()))
+        self.stats.batch_tokens += b.n
+        self.stats.multi_seq_steps += int(b.n > 0 and bool((b.seq[: b.n] != b.seq[0]).any()))
         if guarded:
             plan = self._fail_overflows(plan, entries)
         for r, out_idx in plan:
@@ -235,7 +232,7 @@ class Scheduler:
         """Fail the requests whose tokens the guard zeroed in the cache; the rest of the plan goes on."""
         assert self.guard is not None
         hit = self.guard.hit_entries([n for n, _ in entries])
-        self.stats["kv_guard_failures"] += len(hit)
+        self.stats.kv_guard_failures += len(hit)
         for i in hit:
             r = plan[i][0]
             self._finish(r, error=self.guard.overflow_error(r.phase_at(r.n_past - 1).adapters.as_dict()))
@@ -271,7 +268,7 @@ class Scheduler:
                 continue
             if not admitted:
                 if r.blocked_step is None:
-                    r.blocked_step, r.blocked_at = self.stats["decode_steps"], time.monotonic()
+                    r.blocked_step, r.blocked_at = self.stats.decode_steps, time.monotonic()
                     self._prefetch(r)  # its slot load at admission is then a copy
                 blocked.append(r)  # its adapters wait for bank slots; later requests may still go
                 skipped.append(r)
@@ -292,8 +289,8 @@ class Scheduler:
             r.text = TextAssembler(r.params.stop)
             r.lines = LineStops.make(r.params.n_indent, r.params.t_max_predict_ms)
             self.slots[seq] = r
-            self.stats["prompt_tokens"] += len(r.prompt)
-            self.stats["prompt_tokens_reused"] += keep
+            self.stats.prompt_tokens += len(r.prompt)
+            self.stats.prompt_tokens_reused += keep
         self.waiting[:0] = skipped
 
     def _acquire_slots(self, r: Request) -> bool:
@@ -319,18 +316,17 @@ class Scheduler:
         if not self.bank.can_ever_admit(sets):
             return False  # it will be refused or served natively: nobody should wait for it
         assert head.blocked_step is not None
-        if self.stats["decode_steps"] - head.blocked_step >= SLOT_WAIT_STEPS:
+        if self.stats.decode_steps - head.blocked_step >= SLOT_WAIT_STEPS:
             return True
         return self.bank.takes_new_slots([ph.adapters for ph in r.phases])
 
-    def slot_wait_quantiles(self) -> dict[str, float]:
+    def slot_wait_quantiles(self) -> SlotWaits:
         """p50 / p99 / max seconds that recent banked requests waited for bank slots (0 when not at all)."""
         waits = sorted(self._slot_waits)
         if not waits:
-            return {"slot_wait_p50_s": 0.0, "slot_wait_p99_s": 0.0, "slot_wait_max_s": 0.0}
-        return {"slot_wait_p50_s": waits[len(waits) // 2],
-                "slot_wait_p99_s": waits[min(len(waits) - 1, int(0.99 * len(waits)))],
-                "slot_wait_max_s": waits[-1]}
+            return SlotWaits()
+        return SlotWaits(p50_s=waits[len(waits) // 2], p99_s=waits[min(len(waits) - 1, int(0.99 * len(waits)))],
+                         max_s=waits[-1])
 
     def _shareable(self, r: Request) -> Request | None:
         """The running sibling whose prompt KV `r` can share (unified KV, same prompt and adapters), or None."""
@@ -443,7 +439,7 @@ class Scheduler:
         assert self.bank is not None or not masked
         adapters = [(self.bank.adapter, 1.0)] if masked and self.bank is not None else list(phase.adapters.items)
         if self.ctx.handle.set_adapters([a.handle for a, _ in adapters], [s for _, s in adapters]):
-            self.stats["adapter_switches"] += 1
+            self.stats.adapter_switches += 1
         ckey = getattr(phase.cvec, "key", None)
         if ckey != getattr(self.applied_cvec, "key", None):
             if phase.cvec is None:
@@ -501,7 +497,7 @@ class Scheduler:
             self._finish(r, reason="stop")
             return
         r.generated.append(tok)
-        self.stats["generated_tokens"] += 1
+        self.stats.generated_tokens += 1
         chunk = r.text.feed(self.model.handle.token_bytes(tok, special=tok in r.shown))
         if chunk:
             r.emit("text", chunk)
@@ -575,7 +571,7 @@ class Scheduler:
         self.ctx.handle.memory_clear()  # llama_memory_clear(data=True): the K/V data too, not only the cells
         self.slot_cache = [((), []) for _ in range(self.n_parallel)]
         self.quarantined.clear()
-        self.stats["kv_clears"] += 1
+        self.stats.kv_clears += 1
 
     def _completion(self, r: Request, reason: str) -> Completion:
         text = r.text.text if r.text is not None else ""

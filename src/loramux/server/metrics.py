@@ -22,94 +22,129 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from ..engine.stats import SchedulerSnapshot
+
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def _no_counts() -> Mapping[str, int]:
+    return MappingProxyType({})
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSnapshot:
+    """What a scrape reads: the scheduler's load and the server's adapter table, taken on the event loop."""
+
+    engine: SchedulerSnapshot = SchedulerSnapshot()
+    resident: tuple[str, ...] = ()  # adapters loaded in memory, in the pool's order
+    known: int = 0  # adapters the server can serve (resident or evicted)
+    waiting_not_resident: tuple[str, ...] = ()  # adapters queued requests wait for that are not resident
+    max_lora: int = 1  # --max-loaded, else the number of resident adapters (at least 1)
+    evictions: int = 0  # adapters evicted by the LRU (--max-loaded)
+    loads: Mapping[str, int] = field(default_factory=_no_counts)  # runtime adapter loads by result
+    in_flight: int = 0  # generation requests accepted and not finished
+
+
+@dataclass(slots=True)
+class PhaseSeconds:
+    """Totals of finished requests' prompt time (arrival to first token) and generation time (first token
+    to the end), for llama-server's `llamacpp:*_seconds` families. Written on the event loop only."""
+
+    prompt: float = 0.0
+    predict: float = 0.0
 
 
 class _LiveCollector:
     """Gauges read at scrape time from the engine's scheduler and the adapter table."""
 
-    def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, snapshot: Callable[[], ServerSnapshot], phases: PhaseSeconds) -> None:
         self.snapshot = snapshot
-        self.taken: dict[str, Any] | None = None  # a snapshot taken by the caller of Metrics.render
+        self.phases = phases
+        self.taken: ServerSnapshot | None = None  # a snapshot taken by the caller of Metrics.render
 
     def describe(self) -> list[Metric]:
         return []  # live values: nothing to check for name clashes at registration
 
     def collect(self) -> Iterator[Metric]:
-        s = self.taken if self.taken is not None else self.snapshot()
-        kv = s["kv_used"] / s["kv_total"] if s["kv_total"] else 0.0
+        s: ServerSnapshot = self.taken if self.taken is not None else self.snapshot()
+        e = s.engine
         for name, doc, value in (
-            ("vllm:num_requests_waiting", "Requests waiting for a sequence slot.", s["waiting"]),
-            ("vllm:num_requests_running", "Requests holding a sequence slot.", s["running"]),
-            ("vllm:gpu_cache_usage_perc", "Fraction of KV cells used by running sequences (0..1).", kv),
-            ("vllm:kv_cache_usage_perc", "Fraction of KV cells used by running sequences (0..1).", kv),
-            ("loramux_num_requests_waiting", "Requests waiting for a sequence slot.", s["waiting"]),
-            ("loramux_num_requests_running", "Requests holding a sequence slot.", s["running"]),
-            ("loramux_kv_cache_usage_ratio", "Fraction of KV cells used by running sequences (0..1).", kv),
-            ("loramux_resident_adapters", "Adapters loaded in memory.", len(s["resident"])),
-            ("loramux_known_adapters", "Adapters the server can serve (resident or evicted).", s["known"]),
+            ("vllm:num_requests_waiting", "Requests waiting for a sequence slot.", e.waiting),
+            ("vllm:num_requests_running", "Requests holding a sequence slot.", e.running),
+            ("vllm:gpu_cache_usage_perc", "Fraction of KV cells used by running sequences (0..1).", e.kv_usage),
+            ("vllm:kv_cache_usage_perc", "Fraction of KV cells used by running sequences (0..1).", e.kv_usage),
+            ("loramux_num_requests_waiting", "Requests waiting for a sequence slot.", e.waiting),
+            ("loramux_num_requests_running", "Requests holding a sequence slot.", e.running),
+            ("loramux_kv_cache_usage_ratio", "Fraction of KV cells used by running sequences (0..1).", e.kv_usage),
+            ("loramux_resident_adapters", "Adapters loaded in memory.", len(s.resident)),
+            ("loramux_known_adapters", "Adapters the server can serve (resident or evicted).", s.known),
             ("loramux_requests_in_flight", "Generation requests accepted and not finished (at most "
-             "--parallel + --max-queue; more get 429).", s.get("in_flight", 0)),
+             "--parallel + --max-queue; more get 429).", s.in_flight),
             ("loramux_slot_wait_p50_seconds", "Median wait of recent banked requests for bank slots.",
-             s.get("slot_wait_p50_s", 0.0)),
+             e.slot_waits.p50_s),
             ("loramux_slot_wait_p99_seconds", "99th percentile wait of recent banked requests for bank slots "
-             "(bounded: see docs/scaling.md).", s.get("slot_wait_p99_s", 0.0)),
+             "(bounded: see docs/scaling.md).", e.slot_waits.p99_s),
         ):
             yield GaugeMetricFamily(name, doc, value=value)
         info = GaugeMetricFamily("vllm:lora_requests_info", "Adapter state; value: time of this update.",
                                  labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
-        info.add_metric([str(s["max_lora"]), ",".join(s["resident"]), ",".join(s["waiting_not_resident"])],
-                        time.time())
+        info.add_metric([str(s.max_lora), ",".join(s.resident), ",".join(s.waiting_not_resident)], time.time())
         yield info
-        per = GaugeMetricFamily("loramux_adapter_requests_running", "Running requests per adapter.",
-                                labels=["adapter"])
-        for name, n in sorted(s["running_adapters"].items()):
-            per.add_metric([name], n)
-        yield per
-        per = GaugeMetricFamily("loramux_adapter_requests_waiting", "Queued requests per adapter.",
-                                labels=["adapter"])
-        for name, n in sorted(s["waiting_adapters"].items()):
-            per.add_metric([name], n)
-        yield per
-        for name, doc, key in (
-            ("loramux_adapter_switches", "Changes of the adapter set applied to the serving context.",
-             "adapter_switches"),
-            ("loramux_decode_steps", "Decode calls of the serving context.", "decode_steps"),
-            ("loramux_adapter_evictions", "Adapters evicted by the LRU (--max-loaded).", "evictions"),
-            ("loramux_kv_guarded_decodes", "Decodes run with the KV guard (they held a risky adapter set; "
-             "see docs/server.md, 'Numeric safety').", "kv_guarded_decodes"),
-            ("loramux_kv_guard_failures", "Requests the KV guard stopped: their keys or values left the "
-             "KV cache's range.", "kv_guard_failures"),
-            ("loramux_kv_clears", "Times the KV cache's data was zeroed because a failed request may have left "
-             "out-of-range keys or values (see docs/server.md, 'Numeric safety').", "kv_clears"),
+        for name, doc, counts in (
+            ("loramux_adapter_requests_running", "Running requests per adapter.", e.running_adapters),
+            ("loramux_adapter_requests_waiting", "Queued requests per adapter.", e.waiting_adapters),
         ):
-            yield CounterMetricFamily(name, doc, value=s.get(key, 0))
-        yield from _llamacpp(s)
+            per = GaugeMetricFamily(name, doc, labels=["adapter"])
+            for adapter, n in sorted(counts.items()):
+                per.add_metric([adapter], n)
+            yield per
+        yield from _counters(s)
+        yield from _llamacpp(e, self.phases)
         loads = CounterMetricFamily("loramux_adapter_loads", "Adapter loads at runtime.", labels=["result"])
-        for result, n in s["loads"].items():
+        for result, n in s.loads.items():
             loads.add_metric([result], n)
         yield loads
 
 
-def _llamacpp(s: dict[str, Any]) -> Iterator[Metric]:
+def _counters(s: ServerSnapshot) -> Iterator[Metric]:
+    c = s.engine.counters
+    for name, doc, value in (
+        ("loramux_adapter_switches", "Changes of the adapter set applied to the serving context.",
+         c.adapter_switches),
+        ("loramux_decode_steps", "Decode calls of the serving context.", c.decode_steps),
+        ("loramux_adapter_evictions", "Adapters evicted by the LRU (--max-loaded).", s.evictions),
+        ("loramux_kv_guarded_decodes", "Decodes run with the KV guard (they held a risky adapter set; "
+         "see docs/server.md, 'Numeric safety').", s.engine.kv_guarded_decodes),
+        ("loramux_kv_guard_failures", "Requests the KV guard stopped: their keys or values left the "
+         "KV cache's range.", c.kv_guard_failures),
+        ("loramux_kv_clears", "Times the KV cache's data was zeroed because a failed request may have left "
+         "out-of-range keys or values (see docs/server.md, 'Numeric safety').", c.kv_clears),
+    ):
+        yield CounterMetricFamily(name, doc, value=value)
+
+
+def _llamacpp(e: SchedulerSnapshot, phases: PhaseSeconds) -> Iterator[Metric]:
     """llama-server's families (what its Grafana dashboards read), from the same counts as loramux's own.
     Throughputs are averages since start (llama-server averages between two scrapes)."""
-    prompt, cached, gen = s.get("prompt_tokens", 0), s.get("prompt_tokens_reused", 0), s.get("generated_tokens", 0)
-    t_prompt, t_gen = s.get("prompt_seconds", 0.0), s.get("predict_seconds", 0.0)
+    c = e.counters
+    prompt, cached, gen = c.prompt_tokens, c.prompt_tokens_reused, c.generated_tokens
+    t_prompt, t_gen = phases.prompt, phases.predict
     for name, doc, value in (
         ("llamacpp:prompt_tokens", "Number of prompt tokens processed, excluding cached tokens", prompt - cached),
         ("llamacpp:prompt_tokens_cached", "Number of prompt tokens reused from the cache", cached),
         ("llamacpp:prompt_seconds", "Total time spent processing prompts", t_prompt),
         ("llamacpp:tokens_predicted", "Number of generation tokens processed", gen),
         ("llamacpp:tokens_predicted_seconds", "Total time spent generating tokens", t_gen),
-        ("llamacpp:n_decode", "Total number of llama_decode() calls", s.get("decode_steps", 0)),
+        ("llamacpp:n_decode", "Total number of llama_decode() calls", c.decode_steps),
     ):
         yield CounterMetricFamily(name, doc, value=value)
     for name, doc, value in (
@@ -117,10 +152,9 @@ def _llamacpp(s: dict[str, Any]) -> Iterator[Metric]:
          (prompt - cached) / t_prompt if t_prompt > 0 else 0.0),
         ("llamacpp:predicted_tokens_seconds", "Average generation throughput in tokens/s",
          gen / t_gen if t_gen > 0 else 0.0),
-        ("llamacpp:requests_processing", "Number of requests processing", s["running"]),
-        ("llamacpp:requests_deferred", "Number of requests deferred", s["waiting"]),
-        ("llamacpp:kv_cache_usage_ratio", "KV-cache usage. 1 means 100 percent usage",
-         s["kv_used"] / s["kv_total"] if s["kv_total"] else 0.0),
+        ("llamacpp:requests_processing", "Number of requests processing", e.running),
+        ("llamacpp:requests_deferred", "Number of requests deferred", e.waiting),
+        ("llamacpp:kv_cache_usage_ratio", "KV-cache usage. 1 means 100 percent usage", e.kv_usage),
     ):
         yield GaugeMetricFamily(name, doc, value=value)
 
@@ -128,7 +162,7 @@ def _llamacpp(s: dict[str, Any]) -> Iterator[Metric]:
 class Metrics:
     """Counters and histograms updated by the request handlers, plus the live collector."""
 
-    def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, snapshot: Callable[[], ServerSnapshot]) -> None:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("loramux_requests", "Finished requests by model and HTTP status "
                                 "(499: the client went away).", ["model", "status"], registry=r)
@@ -144,8 +178,8 @@ class Metrics:
                               ["model"], buckets=LATENCY_BUCKETS, registry=r)
         self.queue_time = Histogram("loramux_request_queue_time_seconds", "Arrival to admission "
                                     "(submitted to the engine).", ["model"], buckets=LATENCY_BUCKETS, registry=r)
-        self.phase_seconds = {"prompt_seconds": 0.0, "predict_seconds": 0.0}  # llamacpp:* time totals
-        self._live = _LiveCollector(lambda: {**snapshot(), **self.phase_seconds})
+        self.phase_seconds = PhaseSeconds()  # llamacpp:* time totals
+        self._live = _LiveCollector(snapshot, self.phase_seconds)
         r.register(self._live)
         self._render_lock = threading.Lock()
         # every labelled metric, with its label names; the first one is the model or adapter name
@@ -155,11 +189,11 @@ class Metrics:
             *((m, ("model",)) for m in (self.prompt_tokens, self.generation_tokens, self.e2e, self.ttft,
                                         self.queue_time))]
 
-    def render(self, snapshot: dict[str, Any] | None = None) -> bytes:
+    def render(self, snapshot: ServerSnapshot | None = None) -> bytes:
         """The Prometheus text. Safe from any thread when given a snapshot taken where the adapter table
         lives (the event loop): the server renders in a worker thread so scrapes never stall requests."""
         with self._render_lock:
-            self._live.taken = None if snapshot is None else {**snapshot, **self.phase_seconds}
+            self._live.taken = snapshot
             try:
                 return generate_latest(self.registry)
             finally:
@@ -168,8 +202,8 @@ class Metrics:
     def add_phase_times(self, prompt_s: float, predict_s: float) -> None:
         """Add a finished request's prompt time (arrival to first token) and generation time (first token to
         the end) to the llamacpp:*_seconds totals. Called on the event loop only."""
-        self.phase_seconds["prompt_seconds"] += max(0.0, prompt_s)
-        self.phase_seconds["predict_seconds"] += max(0.0, predict_s)
+        self.phase_seconds.prompt += max(0.0, prompt_s)
+        self.phase_seconds.predict += max(0.0, predict_s)
 
     def forget(self, name: str) -> None:
         """Remove every series labelled with this model or adapter name (an adapter that was unloaded), so
@@ -184,4 +218,4 @@ class Metrics:
                     pass
 
 
-__all__ = ["CONTENT_TYPE", "Metrics"]
+__all__ = ["CONTENT_TYPE", "Metrics", "PhaseSeconds", "ServerSnapshot"]

@@ -5,13 +5,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
-from typing import Any
 
 from ..engine.control import ControlSetting, ControlVector, parse_layers
 from ..engine.runtime import Engine
 from .config import ServerSettings
 from .errors import APIError
-from .metrics import Metrics
+from .metrics import Metrics, ServerSnapshot
 from .pool import AdapterPool
 from .schemas import ControlRef
 
@@ -61,14 +60,16 @@ class ServerState:
         return Ticket(self)
 
     # -- metrics ------------------------------------------------------------------------------
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> ServerSnapshot:
+        """The scheduler's load and the adapter table, for /metrics and /slots. On the event loop only (the
+        adapter table is the loop's); the record it returns may be read on any thread."""
         s = self.engine.scheduler.snapshot()
-        resident = [e.name for e in self.pool.resident()]
-        waiting = set(s["waiting_adapters"]) - set(resident)
-        s.update(resident=resident, known=len(self.pool.entries), waiting_not_resident=sorted(waiting),
-                 max_lora=self.settings.max_loaded or max(1, len(resident)), evictions=self.pool.evictions,
-                 loads=dict(self.pool.loads), in_flight=self.in_flight)
-        return s
+        resident = tuple(e.name for e in self.pool.resident())
+        waiting = set(s.waiting_adapters) - set(resident)
+        return ServerSnapshot(engine=s, resident=resident, known=len(self.pool.entries),
+                              waiting_not_resident=tuple(sorted(waiting)),
+                              max_lora=self.settings.max_loaded or max(1, len(resident)),
+                              evictions=self.pool.evictions, loads=dict(self.pool.loads), in_flight=self.in_flight)
 
     def label(self, model: str | None) -> str:
         if model is None or model == self.base_name:

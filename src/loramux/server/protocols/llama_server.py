@@ -340,7 +340,7 @@ def _slots(state: ServerState) -> list[dict[str, Any]]:
     """One entry per sequence slot (--parallel): llama-server's metrics-only form. The prompts and outputs
     llama-server shows there are other tenants' data: never listed."""
     eng = state.engine
-    running = int(state.snapshot()["running"])
+    running = state.snapshot().engine.running
     per = eng.n_ctx  # each request may use the whole context (sampling_args)
     return [{"id": i, "n_ctx": per, "speculative": False, "is_processing": i < running}
             for i in range(eng.n_parallel)]
