@@ -46,6 +46,7 @@ from .adapters import LoRAAdapter, delta_bound_problems
 from .factor_stage import FactorTensors
 from .model import Context, Model
 from .options import BANK_NODE_ACCESS
+from .phases import BatchEntry
 from .registry import AdapterSet
 from .residency import DEFAULT_CACHE_BYTES, Prefetcher, SlotBlocks, SlotMemory, WarmCache
 
@@ -406,10 +407,10 @@ class SlotBank:
         return len(uniq) <= free
 
     # -- masks ---------------------------------------------------------------------------------
-    def decode(self, ctx: Context, entries: list[tuple[int, Sequence[tuple[int, float]]]]) -> None:
+    def decode(self, ctx: Context, entries: Sequence[BatchEntry]) -> None:
         """Decode ctx's filled batch through the bank: plan the masks, decode, check every node.
 
-        `entries` are (n_tokens, [(slot, mask value), ...]) in batch order, as the batch was filled.
+        `entries` are the batch's runs of tokens and their (slot, mask value) pairs, in batch order.
         Raises BackendError (after the decode) when a bank node was not masked as planned.
         """
         b, o = ctx.batch, ctx.opts
@@ -541,8 +542,8 @@ def bank_info(bank: SlotBank | None, adapter: LoRAAdapter | None) -> dict[str, b
     return {"banked": why is None, "bank_reason": why}
 
 
-def token_scales(bank: SlotBank, entries: Sequence[tuple[int, Sequence[tuple[int, float]]]]) -> np.ndarray:
-    """Rows of per-slot mask values: entries = [(n_tokens, [(slot, scale), ...]), ...] in batch order."""
+def token_scales(bank: SlotBank, entries: Sequence[BatchEntry]) -> np.ndarray:
+    """Rows of per-slot mask values, one per token, from the batch's entries in batch order."""
     rows = []
     for n, pairs in entries:
         row = np.zeros(bank.K, np.float32)

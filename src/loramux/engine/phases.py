@@ -6,8 +6,9 @@ the prefix without it and the rest with it. Every other request has one.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from .control import ControlSetting
 from .registry import AdapterSet
@@ -32,6 +33,14 @@ class Phase:
     def group_key(self) -> tuple[Any, ...]:
         """Requests with equal group keys share a decode: every banked phase shares one (masks differ)."""
         return ("bank", getattr(self.cvec, "key", None)) if self.banked else self.key
+
+
+class BatchEntry(NamedTuple):
+    """A run of one sequence's tokens in a filled batch, as the scheduler hands it to the bank (masks) and
+    the KV guard (which run a bad write came from). Entries are in batch order, as the batch was filled."""
+
+    n_tokens: int
+    slot_scales: Sequence[tuple[int, float]]  # (bank slot, mask value) of the phase these tokens run under
 
 
 def alora_phases(aset: AdapterSet, cv: ControlSetting | None, tokens: list[int]) -> tuple[list[Phase], dict[str, bool]]:
@@ -64,4 +73,4 @@ def _last_occurrence(seq: list[int], sub: list[int]) -> int | None:
     return None
 
 
-__all__ = ["Phase", "alora_phases"]
+__all__ = ["BatchEntry", "Phase", "alora_phases"]

@@ -26,7 +26,7 @@ from .grammar import ActiveGrammar
 from .kv_guard import KvGuard, may_leave_bad_values, read_bad_values_error
 from .linestops import LineStops
 from .model import Context, Model
-from .phases import Phase
+from .phases import BatchEntry, Phase
 from .sampling import Completion, SamplingParams, TextAssembler
 from .scoring import SCORE_ROWS, SCORE_ROWS_SHARED, Scoring
 from .stats import Counters, SchedulerSnapshot, SlotWaits
@@ -212,7 +212,7 @@ class Scheduler:
                 self._finish(r, error=g.refusal([ph.adapters for ph in r.phases]))
         return [r for r in members if id(r) not in risky], False
 
-    def _decode(self, entries: list[tuple[int, list[tuple[int, float]]]], guarded: bool, masked: bool) -> None:
+    def _decode(self, entries: list[BatchEntry], guarded: bool, masked: bool) -> None:
         """Decode the filled batch, through the bank's masks if asked, with the KV guard if asked."""
         guard = self.guard if guarded else None
         if guard is not None:
@@ -228,10 +228,10 @@ class Scheduler:
                 guard.disarm()  # raises BackendError when a KV write could not be checked
 
     def _fail_overflows(self, plan: list[tuple[Request, int | None]],
-                        entries: list[tuple[int, list[tuple[int, float]]]]) -> list[tuple[Request, int | None]]:
+                        entries: list[BatchEntry]) -> list[tuple[Request, int | None]]:
         """Fail the requests whose tokens the guard zeroed in the cache; the rest of the plan goes on."""
         assert self.guard is not None
-        hit = self.guard.hit_entries([n for n, _ in entries])
+        hit = self.guard.hit_entries([e.n_tokens for e in entries])
         self.stats.kv_guard_failures += len(hit)
         for i in hit:
             r = plan[i][0]
@@ -384,18 +384,18 @@ class Scheduler:
         return nxt
 
     def _fill_batch(self, members: list[Request]
-                    ) -> tuple[list[tuple[Request, int | None]], list[tuple[int, list[tuple[int, float]]]]]:
-        """Fill the batch; returns the sampling plan and, in batch order, (n_tokens, slot scales) entries."""
+                    ) -> tuple[list[tuple[Request, int | None]], list[BatchEntry]]:
+        """Fill the batch; returns the sampling plan and the batch's entries, in batch order."""
         b = self.ctx.batch
         b.clear()
         plan: list[tuple[Request, int | None]] = []
-        entries: list[tuple[int, list[tuple[int, float]]]] = []
+        entries: list[BatchEntry] = []
         if self.deterministic:
             members = self._deterministic_members(members)
         # decode tokens first (one each, cheap), then prompt chunks with what is left of n_batch
         for r in members:
             if r.pending is not None:
-                entries.append((1, r.phase_at(r.n_past).slot_scales))
+                entries.append(BatchEntry(1, r.phase_at(r.n_past).slot_scales))
                 b.add([r.pending], r.n_past, r.seq, True)
                 plan.append((r, b.n - 1))
                 r.n_past += 1
@@ -418,7 +418,7 @@ class Scheduler:
             chunk = r.prompt[r.n_past:end]
             last = end == len(r.prompt)
             flags = flags if flags is not None else [False] * (len(chunk) - 1) + [last]
-            entries.append((len(chunk), r.phase_at(r.n_past).slot_scales))
+            entries.append(BatchEntry(len(chunk), r.phase_at(r.n_past).slot_scales))
             b.add(chunk, r.n_past, r.seq, flags)
             plan.append((r, b.n - 1 if last and flags[-1] else None))
             r.n_past = end
@@ -607,10 +607,10 @@ class Scheduler:
             self._finish(r, error=error)
 
 
-def _uniform(entries: list[tuple[int, list[tuple[int, float]]]]) -> bool:
+def _uniform(entries: list[BatchEntry]) -> bool:
     """Do all the batch's tokens use the same slots at the same scales (one adapter set)?"""
-    first = entries[0][1] if entries else []
-    return all(e[1] == first for e in entries)
+    first = entries[0].slot_scales if entries else []
+    return all(e.slot_scales == first for e in entries)
 
 
 def _phase_end(r: Request) -> int:
