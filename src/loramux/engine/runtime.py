@@ -36,7 +36,7 @@ from .options import EngineOptions
 from .phases import alora_phases
 from .registry import AdapterSet, LoraArg, Registry, check_scale
 from .sampling import Completion, SamplingParams
-from .scheduler import Request, Scheduler
+from .scheduler import Request, RequestInput, Scheduler
 from .scoring import Scoring, TokenLogprob, score_many
 from .specs import ControlArg, Inherit, LoraSpec, adapter_name
 from .stats import EngineStats
@@ -443,9 +443,9 @@ class Engine:
             for ph in phases:  # pinned to the versions they will run on (a waiting push lands first)
                 ph.adapters = self.pushes.pin(ph.adapters)
             _check_versions(versions, {a.name: self.pushes.target(a) for a, _ in aset.items})
-            req = Request(tokens, params, phases, alora, on_event=on_event, grammar=grammar,
-                          scoring=Scoring.wanted(params.prompt_logprobs, params.logprobs), share=share,
-                          shown=frozenset(shown), stop_tokens=frozenset(stop_tokens))
+            req = Request(RequestInput(tokens, params, phases, alora, on_event=on_event, share=share,
+                                       shown=frozenset(shown), stop_tokens=frozenset(stop_tokens)),
+                          grammar=grammar, scoring=Scoring.wanted(params.prompt_logprobs, params.logprobs))
             if params.max_tokens == 0 and params.prompt_logprobs is None:
                 req.emit("done", Completion("", [], "length", len(tokens), aset.as_dict(), alora,
                                             versions=phases[-1].adapters.versions))

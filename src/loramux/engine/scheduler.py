@@ -15,7 +15,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,19 +39,33 @@ SLOT_WAIT_STEPS = 32  # decode steps a request may wait for bank slots before no
 SLOT_WAITS_KEPT = 4096  # recent slot waits kept for the p50/p99 figures
 
 
-@dataclass
-class Request:
-    """One generation in flight. Events go to `events`: ("text", str), ("done", Completion), ("error", exc)."""
+@dataclass(frozen=True, slots=True)
+class RequestInput:
+    """What a generation was submitted with; it never changes (the engine thread's state is on `Request`).
 
-    prompt: list[int]
+    `phases` is fixed as a list; admission records each phase's bank slots on the phase (`Phase.slot_scales`).
+    """
+
+    prompt: list[int]  # not modified (a list: slot caches compare token lists)
     params: SamplingParams
     phases: list[Phase]
-    alora: dict[str, bool] = field(default_factory=dict)
+    alora: Mapping[str, bool] = field(default_factory=dict)
+    on_event: Callable[[str, Any], None] | None = None
+    arrived: float = field(default_factory=time.monotonic)
+    share: Request | None = None  # n > 1: a sibling on the same prompt whose prompt KV this one shares
+    shown: frozenset[int] = frozenset()  # control tokens whose text goes into the output (a tool format's tags)
+    stop_tokens: frozenset[int] = frozenset()  # tokens that end the output like an end-of-generation token
+
+
+@dataclass
+class Request:
+    """One generation in flight: its input, its event channel and its state on the engine thread.
+    Events go to `events`: ("text", str), ("done", Completion), ("error", exc)."""
+
+    input: RequestInput
     id: int = field(default_factory=lambda: next(_ids))
     events: queue.SimpleQueue[tuple[str, Any]] = field(default_factory=queue.SimpleQueue)
     cancelled: threading.Event = field(default_factory=threading.Event)
-    on_event: Callable[[str, Any], None] | None = None
-    arrived: float = field(default_factory=time.monotonic)
     # state (engine thread only)
     seq: int | None = None
     n_past: int = 0
@@ -67,9 +81,18 @@ class Request:
     blocked_step: int | None = None  # decode step at which it first waited for bank slots
     blocked_at: float | None = None
     scoring: Scoring | None = None  # logprobs wanted (prompt and/or generated tokens; see scoring.py)
-    share: Request | None = None  # n > 1: a sibling on the same prompt whose prompt KV this one shares
-    shown: frozenset[int] = frozenset()  # control tokens whose text goes into the output (a tool format's tags)
-    stop_tokens: frozenset[int] = frozenset()  # tokens that end the output like an end-of-generation token
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.input.prompt
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.input.params
+
+    @property
+    def phases(self) -> list[Phase]:
+        return self.input.phases
 
     def phase_at(self, pos: int) -> Phase:
         cur = self.phases[0]
@@ -84,9 +107,9 @@ class Request:
 
     def emit(self, kind: str, value: Any) -> None:
         self.events.put((kind, value))
-        if self.on_event is not None:
+        if self.input.on_event is not None:
             try:
-                self.on_event(kind, value)
+                self.input.on_event(kind, value)
             except Exception:  # noqa: BLE001 - a broken listener ends its own request, nothing else
                 log.exception("a request's event callback failed; cancelling that request")
                 self.cancelled.set()
@@ -330,7 +353,7 @@ class Scheduler:
 
     def _shareable(self, r: Request) -> Request | None:
         """The running sibling whose prompt KV `r` can share (unified KV, same prompt and adapters), or None."""
-        sib = r.share
+        sib = r.input.share
         if (sib is None or sib.seq is None or self.slots[sib.seq] is not sib or self.deterministic
                 or not self.ctx.opts.kv_unified or sib.prompt != r.prompt or sib.cache_key != r.cache_key
                 or (r.scoring is not None and r.scoring.scores_prompt)):
@@ -339,9 +362,9 @@ class Scheduler:
 
     def _waits_for_sibling(self, r: Request) -> bool:
         """Hold `r` back while the sibling it will share with has not decoded its prompt yet."""
-        if r.share is None or (r.scoring is not None and r.scoring.scores_prompt):
+        if r.input.share is None or (r.scoring is not None and r.scoring.scores_prompt):
             return False
-        if any(w is r.share for w in self.waiting):
+        if any(w is r.input.share for w in self.waiting):
             return True
         sib = self._shareable(r)
         return sib is not None and sib.n_past < len(sib.prompt) - 1
@@ -372,7 +395,7 @@ class Scheduler:
 
     def _pick_group(self, runnable: list[Request]) -> tuple[Any, ...]:
         keys = []
-        for r in sorted(runnable, key=lambda r: r.arrived):
+        for r in sorted(runnable, key=lambda r: r.input.arrived):
             k = r.phase_at(r.n_past).group_key
             if k not in keys:
                 keys.append(k)
@@ -491,14 +514,14 @@ class Scheduler:
                 r.emit("logprobs", entry)
         if r.first_token_at is None:
             r.first_token_at = time.monotonic()
-        if (self.model.is_eog(tok) and not r.params.ignore_eos) or tok in r.stop_tokens:
+        if (self.model.is_eog(tok) and not r.params.ignore_eos) or tok in r.input.stop_tokens:
             if r.lines is not None:  # llama-server checks the end token's (empty) text too: it may cut a line
                 r.lines.stop(r.text, "", time.monotonic() - r.first_token_at)
             self._finish(r, reason="stop")
             return
         r.generated.append(tok)
         self.stats.generated_tokens += 1
-        chunk = r.text.feed(self.model.handle.token_bytes(tok, special=tok in r.shown))
+        chunk = r.text.feed(self.model.handle.token_bytes(tok, special=tok in r.input.shown))
         if chunk:
             r.emit("text", chunk)
         if r.text.stopped:
@@ -577,7 +600,7 @@ class Scheduler:
         text = r.text.text if r.text is not None else ""
         sc = r.scoring
         return Completion(text=text, tokens=list(r.generated), finish_reason=reason, prompt_tokens=len(r.prompt),
-                          loras=r.phases[-1].adapters.as_dict(), alora=dict(r.alora),
+                          loras=r.phases[-1].adapters.as_dict(), alora=dict(r.input.alora),
                           versions={k: v for ph in r.phases for k, v in ph.adapters.versions.items()},
                           logprobs=list(sc.generated) if sc and sc.gen_top is not None else None,
                           prompt_logprobs=list(sc.prompt) if sc and sc.scores_prompt else None)
@@ -620,4 +643,4 @@ def _phase_end(r: Request) -> int:
     return len(r.prompt)
 
 
-__all__ = ["Request", "Scheduler"]
+__all__ = ["Request", "RequestInput", "Scheduler"]
