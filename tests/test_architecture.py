@@ -252,9 +252,9 @@ def test_stats_and_snapshots_are_frozen_records():
 
 
 def test_metrics_read_stats_by_attribute_only():
-    """server/metrics.py reads no figure by string key (`s["x"]`, `s.get("x", 0)`): a renamed field would
-    read as a KeyError at best and as 0 at worst. (Label lists and prometheus' own label dicts are not
-    figures: a string key is what they are read by, so `labels.get(name)` with a variable is allowed.)"""
+    """server/metrics.py reads no figure by string key (`s["x"]`, `s.get("x", 0)`, `getattr(s, "x", 0)`): a
+    renamed field would read as a KeyError at best and as 0 at worst. (Prometheus' own sample labels are
+    read by a variable key, `labels.get(name)`, which is allowed: they are not figures.)"""
     tree = ast.parse((ROOT / "server" / "metrics.py").read_text(encoding="utf-8"))
     keyed = []
     for node in ast.walk(tree):
@@ -263,6 +263,8 @@ def test_metrics_read_stats_by_attribute_only():
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get" \
                 and node.args and isinstance(node.args[0], ast.Constant):
             keyed.append(f"{node.lineno}: {ast.unparse(node)}")
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr":
+            keyed.append(f"{node.lineno}: {ast.unparse(node)}")  # getattr(s, "x", 0): the same silent 0
         if isinstance(node, (ast.arg, ast.AnnAssign, ast.FunctionDef)):
             ann = node.annotation if not isinstance(node, ast.FunctionDef) else node.returns
             if ann is not None and "dict[str, Any]" in ast.unparse(ann):
