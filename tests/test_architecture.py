@@ -369,3 +369,57 @@ def test_every_exported_figure_comes_from_its_field():
     got = {k: values.get(k) for k in want}
     assert {k: v for k, v in got.items() if want[k] is not None} == {k: v for k, v in want.items() if v is not None}
     assert got[next(k for k, v in want.items() if v is None)] is not None  # the info series is there
+
+
+def test_request_input_is_frozen_and_apart_from_its_state():
+    """`Request` is split: what it was submitted with is a frozen `RequestInput`, which no state field of
+    `Request` repeats; the batch hand-off to the bank and the guard is a named `BatchEntry`, not a bare
+    tuple spelled out in signatures."""
+    from loramux.engine.phases import BatchEntry
+    from loramux.engine.scheduler import Request, RequestInput
+    assert RequestInput.__dataclass_params__.frozen  # type: ignore[attr-defined]
+    inputs, state = {f.name for f in dataclasses.fields(RequestInput)}, {f.name for f in dataclasses.fields(Request)}
+    assert {"prompt", "params", "phases", "share"} <= inputs and not inputs & state, inputs & state
+    assert BatchEntry._fields == ("n_tokens", "slot_scales")
+    bare = [f"{p.name}: {t}" for p in (ROOT / "engine" / "scheduler.py", ROOT / "engine" / "bank.py")
+            for t in ("tuple[int, list[tuple[int, float]]]", "tuple[int, Sequence[tuple[int, float]]]")
+            if t in p.read_text(encoding="utf-8")]
+    assert bare == []
+
+
+def _declared_error_attributes() -> dict[str, set[str]]:
+    """Each error class of errors.py, with the instance attributes its own or its bases' methods set."""
+    import loramux.errors as errors
+    tree = ast.parse(Path(errors.__file__).read_text(encoding="utf-8"))
+    own = {c.name: {t.attr for n in ast.walk(c) if isinstance(n, (ast.Assign, ast.AnnAssign))
+                    for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+                    if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}
+           for c in tree.body if isinstance(c, ast.ClassDef)}
+    return {name: set().union(*(own.get(k.__name__, set()) for k in getattr(errors, name).__mro__))
+            for name in own}
+
+
+def test_error_fields_are_declared_not_attached():
+    """An error's structured fields are its constructor's: no module sets an attribute on an error of
+    errors.py (bound by `x = SomeError(...)` or `except SomeError as x`) that the class does not declare."""
+    declared = _declared_error_attributes()
+    attached = []
+    for p in ROOT.rglob("*.py"):
+        for fn in ast.walk(ast.parse(p.read_text(encoding="utf-8"))):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            bound: dict[str, str] = {}
+            for n in ast.walk(fn):
+                if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call) and isinstance(n.value.func, ast.Name) \
+                        and n.value.func.id in declared:
+                    bound.update({t.id: n.value.func.id for t in n.targets if isinstance(t, ast.Name)})
+                elif isinstance(n, ast.ExceptHandler) and n.name and isinstance(n.type, ast.Name) and n.type.id in declared:
+                    bound[n.name] = n.type.id
+            for n in ast.walk(fn):
+                targets = n.targets if isinstance(n, ast.Assign) else []
+                for t in [e for g in targets for e in (g.elts if isinstance(g, ast.Tuple) else [g])]:
+                    if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id in bound \
+                            and t.attr not in declared[bound[t.value.id]]:
+                        attached.append(f"{p.relative_to(ROOT)}:{t.lineno} {bound[t.value.id]}.{t.attr}")
+    assert attached == []
+    assert {"field", "fields"} <= declared["AdapterError"] and "field" in declared["GGUFFormatError"]
