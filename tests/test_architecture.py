@@ -238,6 +238,10 @@ def test_stats_and_snapshots_are_frozen_records():
     from loramux.server.state import ServerState
     for rec in _stats_records():
         assert dataclasses.is_dataclass(rec) and rec.__dataclass_params__.frozen, rec  # type: ignore[attr-defined]
+    # the engine thread's running counts copy into EngineStats field by field: a field only on the record
+    # would stay 0 for ever, one only on the counts fails the copy
+    from loramux.engine.stats import Counters
+    assert [f.name for f in dataclasses.fields(Counters)] == [f.name for f in dataclasses.fields(EngineStats)]
     producers = {Engine.stats: EngineStats, Scheduler.snapshot: SchedulerSnapshot,
                  Scheduler.slot_wait_quantiles: SlotWaits, ServerState.snapshot: ServerSnapshot}
     for fn, rec in producers.items():
