@@ -82,7 +82,8 @@ class LoRAAdapter:
     """A LoRA adapter loaded against the base model.
 
     Attributes: ``name``, ``path``, ``rank``, ``alpha``, ``targets`` (base tensor names),
-    ``dtype``, ``size`` (bytes), ``invocation_tokens`` (aLoRA), ``version`` (bumped by every write).
+    ``dtype``, ``size`` (bytes), ``invocation_tokens`` (aLoRA), ``version`` (bumped by every write),
+    ``writer`` (its `FactorWriter`: the one way its factors change).
     """
 
     def __init__(self, model: Model, file: str | os.PathLike[str] | CheckedAdapter, name: str,
