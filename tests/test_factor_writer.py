@@ -345,3 +345,19 @@ def test_a_write_nested_between_decodes_does_not_wait_for_the_engine(tiny_model,
         assert same(a.all_factors(), new)
     finally:
         engine.close()
+
+
+def test_only_the_writer_stages_factors():
+    """The staging primitives (the mirror, direct-write encoding) are the writer's alone: any other
+    module that imports them has a second way to change an adapter's factors."""
+    import ast
+
+    root = Path(lm.__file__).parent
+    staging = {"Mirror", "encode"}
+    users = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").endswith("factor_stage"):
+                if staging & {a.name for a in node.names}:
+                    users.append(str(path.relative_to(root)))
+    assert users == ["engine/factor_writer.py"]
