@@ -450,7 +450,7 @@ class Result:
 
 def prevalidate(path: Path, arch: str, shapes: Any) -> Exception | None:
     """The checks LoRAAdapter makes before llama.cpp sees the file; the typed error, or None if they pass."""
-    from loramux.engine.adapters import delta_bound_problems
+    from loramux.engine.factor_stage import delta_bound_problems
     from loramux.errors import AdapterError, LoramuxError
     from loramux.gguf_io import read_adapter_factors, validate_adapter
 

@@ -21,7 +21,8 @@ PUBLIC = {
 ERRORS = {
     "AdapterError", "AdapterNotFoundError", "AdapterVersionError", "BackendError", "ChecksumError", "ContextLengthError",
     "ControlVectorError", "ConversionError", "DownloadCancelled", "DownloadError", "DownloadRefused",
-    "EngineClosedError", "FactorError", "GGUFFormatError", "GrammarBudgetError", "LoramuxError", "ModelError",
+    "EngineClosedError", "FactorError", "FactorStateError", "GGUFFormatError", "GrammarBudgetError", "LoramuxError",
+    "ModelError",
     "PackageDataError",
     "ParameterError",
     "ProbeMismatch", "RequestFailed", "RpcError", "ScaleError", "ServerError", "SlotsBusyError", "SourceError",

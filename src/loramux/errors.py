@@ -14,6 +14,7 @@ Every public error is defined here. The tree (``code`` is what the server puts i
     ├── AdapterError                invalid_adapter      an adapter does not fit the base
     ├── AdapterNotFoundError        adapter_not_found    (also a KeyError)
     ├── FactorError                 invalid_factors      an in-place write was refused
+    │   └── FactorStateError        invalid_factors      the adapter's writer is in no state for it (state, action)
     ├── AdapterVersionError         adapter_version_gone a request asked for a version no longer served
     ├── ScaleError                  invalid_scale        (also a ValueError)
     ├── SlotsBusyError              slots_busy           every bank slot is in use
@@ -150,6 +151,20 @@ class FactorError(LoramuxError):
         self.adapter = adapter
         self.factor = factor
         super().__init__(f"adapter {adapter!r}: {message}", problems=problems)
+
+
+class FactorStateError(FactorError):
+    """An adapter's factor writer was asked for a step its state does not allow (`engine/factor_writer.py`).
+
+    `state` is the writer's state when asked (``"staging"``: an `edit()` block of the adapter is open;
+    ``"closed"``: the adapter was unloaded), `action` what was asked (``"write"``, ``"edit"``, ``"publish"``,
+    ``"restore"``). Nothing was written.
+    """
+
+    def __init__(self, adapter: str, state: str, action: str, message: str, *, problems: Iterable[str] = ()):
+        self.state = state
+        self.action = action
+        super().__init__(adapter, message, problems=problems)
 
 
 class AdapterVersionError(LoramuxError):
@@ -411,4 +426,5 @@ __all__ = [
     "LoramuxError", "ModelError", "PackageDataError", "ParameterError", "ProbeMismatch", "RequestFailed", "RpcError",
     "ScaleError", "ServerError", "SlotsBusyError",
     "SourceError", "TrainingError",
+    "FactorStateError",
 ]

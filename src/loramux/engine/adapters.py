@@ -1,19 +1,18 @@
-"""LoRA adapters: validated load, identity, and in-place factor writes and reads.
+"""LoRA adapters: validated load, identity, file info, tensor discovery and factor reads.
 
 An adapter's factor tensors live where llama.cpp allocated them; the compute graph points at them.
 We find them once per adapter (a one-token decode through `cb_eval` on a short-lived context with
-only this adapter active), check what we found against the file, and from then on write and read
-them directly with `ggml_backend_tensor_set/get`: no re-parse, no re-allocation, no graph rebuild.
+only this adapter active), check what we found against the file, and from then on read them directly
+with `ggml_backend_tensor_get`. Writes belong to the adapter's `FactorWriter` (factor_writer.py:
+staging, one lock, the hop between decodes); `set_factors*` and `edit()` here hand over to it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
-import math
 import os
-import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -32,14 +31,11 @@ from ..gguf_io import (
     validate_adapter,
     write_adapter,
 )
-from .factor_stage import FactorStage, FactorTensors, Mirror
+from .factor_stage import FactorTensors, delta_bound_problems
+from .factor_writer import FactorWriter
 from .model import Context, ContextOptions, Model
 
 _uid = itertools.count(1)
-EDIT_WAIT_S = 30.0
-# Largest gain a factor pair may have per unit of input (see delta_bound_problems and docs/server.md):
-# F32 tops out near 2**128, so inputs up to 2**64 in magnitude (times the request scale) cannot overflow.
-MAX_DELTA_GAIN = 2.0 ** 64
 
 
 class CheckedAdapter:
@@ -86,48 +82,51 @@ class LoRAAdapter:
     """A LoRA adapter loaded against the base model.
 
     Attributes: ``name``, ``path``, ``rank``, ``alpha``, ``targets`` (base tensor names),
-    ``dtype``, ``size`` (bytes), ``invocation_tokens`` (aLoRA), ``version`` (bumped by every write).
+    ``dtype``, ``size`` (bytes), ``invocation_tokens`` (aLoRA), ``version`` (bumped by every write),
+    ``writer`` (its `FactorWriter`: the one way its factors change).
     """
 
     def __init__(self, model: Model, file: str | os.PathLike[str] | CheckedAdapter, name: str,
-                 run: Callable[[Callable[[], Any]], Any] | None = None, *, source: str | None = None,
-                 write: Callable[[Callable[[], Any]], Any] | None = None) -> None:
+                 between: Callable[[Callable[[], Any]], Any] | None = None, *, source: str | None = None) -> None:
         """Load `file` (a path, or a `CheckedAdapter` checked earlier on another thread) into llama.cpp.
 
         Call on the engine thread: it makes llama.cpp calls (the adapter load and a one-token
-        discovery decode). `run` / `write` run later reads and writes between decodes.
+        discovery decode). `between` runs later reads and writes between decodes (the engine's
+        `call_between_decodes`; without an engine they run on the caller's thread).
         """
         checked = file if isinstance(file, CheckedAdapter) else CheckedAdapter(model, file)
         try:
-            self._load(model, checked, name, run, source, write)
+            self._load(model, checked, name, between, source)
         finally:
             checked.close()
 
     def _load(self, model: Model, checked: CheckedAdapter, name: str,
-              run: Callable[[Callable[[], Any]], Any] | None, source: str | None,
-              write: Callable[[Callable[[], Any]], Any] | None) -> None:
+              between: Callable[[Callable[[], Any]], Any] | None, source: str | None) -> None:
         self.info, path, pin = checked.info, checked.path, checked.pin
         self.model = model
         self.name = name
         self.path = Path(path)
         self.source = source or str(path)
         self.uid = next(_uid)
-        self.version = 0
-        self._run = run or (lambda fn: fn())
-        self._write = write or self._run  # factor writes: between decodes, without a hop when idle
-        self._lock = threading.RLock()
+        self._between = between or (lambda fn: fn())
         self._factors: dict[str, FactorTensors] | None = None
-        self._stage: FactorStage | None = None  # created by the first write
         self._sha: str | None = None
         self.handle = N.AdapterHandle.load(model.handle, pin.native_path)
         try:
             pin.close(check=True)  # refuses a file rewritten (or, without /proc, replaced) during the load
             tokens = self.handle.alora_invocation_tokens()
             self.invocation_tokens: tuple[int, ...] = tuple(tokens) or self.info.invocation_tokens
-            self._discover(checked.factors)
+            self._factors = self._discover(checked.factors)
         except BaseException:
             self.handle.close()
             raise
+        #: the only way this adapter's factors change (staging, one lock, the hop between decodes)
+        self.writer = FactorWriter(name, self._factors, self.alpha, self.dtype, self._between)
+
+    @property
+    def version(self) -> int:
+        """The content version: 0 as loaded, up by one with every published write (the writer's)."""
+        return self.writer.version
 
     # -- info --------------------------------------------------------------------------------
     rank = property(lambda self: self.info.rank)
@@ -171,7 +170,7 @@ class LoRAAdapter:
         return f"LoRAAdapter({self.name!r}, rank={self.rank}, alpha={self.alpha}, targets={len(self.targets)})"
 
     # -- discovery ---------------------------------------------------------------------------
-    def _discover(self, file_factors: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:
+    def _discover(self, file_factors: dict[str, tuple[np.ndarray, np.ndarray]]) -> dict[str, FactorTensors]:
         found: dict[str, int] = {}
 
         def cb(t: int, ask: bool) -> bool:
@@ -192,12 +191,7 @@ class LoRAAdapter:
             ctx.prefill(0, [self.model.handle.bos if self.model.handle.bos >= 0 else 0])
         finally:
             ctx.close()
-        self._factors = self._check_discovered(found, file_factors)
-        # for the in-place writes' delta bound (see _value_problems): the widest input of any A, and
-        # |alpha/r|·r of any B (|alpha|, or the rank when alpha is 0)
-        self._widest_in = max((f.a_shape[1] for f in self._factors.values()), default=0)
-        self._widest_gain = abs(self.alpha) if self.alpha else max(
-            (f.a_shape[0] for f in self._factors.values()), default=0)
+        return self._check_discovered(found, file_factors)
 
     def _check_discovered(self, found: dict[str, int],
                           file_factors: dict[str, tuple[np.ndarray, np.ndarray]]) -> dict[str, FactorTensors]:
@@ -241,7 +235,7 @@ class LoRAAdapter:
         rb = N.tensor_get(f.b, np.empty(f.b_shape, dtype=store))
         return decode(ra, f.type), decode(rb, f.type)
 
-    # -- in-place factors --------------------------------------------------------------------
+    # -- reads --------------------------------------------------------------------------------
     def factor_tensors(self) -> Mapping[str, FactorTensors]:
         """Where each target's factors live (ggml tensor pointers, type, shapes), read-only.
 
@@ -261,13 +255,28 @@ class LoRAAdapter:
 
     def get_factors(self, name: str) -> tuple[np.ndarray, np.ndarray]:
         """Read (A (r, in), B (out, r)) back from the live tensors, as float32."""
-        # the open check runs where the read does (the engine thread): a remove_lora queued before
+        # the open check runs where the read does (between decodes): a remove_lora queued before
         # this call has freed the tensors by then, and must raise, not read freed memory
-        return self._run(lambda: self._read(self._factor(name)))
+        return self._between(lambda: self._read(self._factor(name)))
 
+    def all_factors(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """Every factor pair read back from the live tensors."""
+        def read() -> dict[str, tuple[np.ndarray, np.ndarray]]:
+            self._check_open()  # between decodes, after any queued removal (see get_factors)
+            assert self._factors is not None
+            return {n: self._read(f) for n, f in self._factors.items()}
+        return self._between(read)
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Write the current (live) factors to an adapter GGUF that loads anywhere llama.cpp does."""
+        dtype = {"F32": "f32", "F16": "f16", "BF16": "bf16"}.get(self.dtype, "f32")
+        return write_adapter(path, self.model.architecture, self.all_factors(), self.alpha, dtype=dtype,
+                             invocation_tokens=list(self.invocation_tokens) or None, name=self.name)
+
+    # -- writes: the adapter's FactorWriter --------------------------------------------------
     def set_factors(self, name: str, a: Any, b: Any) -> None:
         """Write one factor pair in place (A (r, in), B (out, r)); seen by every context at once."""
-        self.set_factors_multi({name: (a, b)})
+        self.writer.write({name: (a, b)})
 
     def set_factors_multi(self, factors: Mapping[str, tuple[Any, Any]]) -> None:
         """Write several factor pairs: all are validated first, then all are written (all-or-nothing).
@@ -275,37 +284,11 @@ class LoRAAdapter:
         Arrays may be float32/float16/bfloat16 (numpy or torch); they are converted to the
         tensors' own type. The write happens between decodes, is seen by every context at once
         and bumps `version`. A refused update (unknown name, wrong shape or rank, NaN/Inf)
-        writes nothing.
+        writes nothing. While an `edit()` block of this adapter is open it raises FactorStateError.
         """
-        stage = self._get_stage()
-        self._write(lambda: self._update(stage, factors))
+        self.writer.write(factors)
 
-    def _update(self, stage: FactorStage, factors: Mapping[str, tuple[Any, Any]]) -> None:
-        """Validate, then write; runs serialized with decodes (engine thread, or the idle engine's lock).
-
-        Running the whole update there, rather than validating on the caller's thread, means no
-        thread holds the stage while it waits for the engine: writers cannot deadlock each other.
-        """
-        if not stage.lock.acquire(blocking=False):
-            raise FactorError(self.name, "an edit() block of this adapter is open",
-                              problems=["finish the with-block before other writes to the same adapter"])
-        try:
-            with self._lock:
-                self._check_open()
-                if stage.use_mirror:
-                    mirror = stage.mirror()
-                    problems, touched = mirror.fill(factors)
-                    self._publish(mirror, touched, problems)
-                else:
-                    problems, jobs, floats = stage.encode(factors)
-                    self._refuse_if(problems or delta_bound_problems(floats, self.alpha))
-                    stage.write(jobs)
-                self.version += 1
-        finally:
-            stage.lock.release()
-
-    @contextlib.contextmanager
-    def edit(self) -> Iterator[dict[str, tuple[np.ndarray, np.ndarray]]]:
+    def edit(self) -> contextlib.AbstractContextManager[dict[str, tuple[np.ndarray, np.ndarray]]]:
         """Edit every factor in place through writable numpy views; the fastest way to update many.
 
         ::
@@ -318,79 +301,10 @@ class LoRAAdapter:
         model until the block ends. Then every factor is checked for NaN/Inf and all are written
         at once, between decodes, and `version` is bumped. An exception inside the block, or a
         NaN/Inf, discards the whole edit. F32 and F16 adapters only (BF16: use set_factors_multi).
-        The views must not be used after the block.
+        One block per adapter at a time: other writes (and a second edit()) meanwhile raise
+        FactorStateError at once, never wait. The views must not be used after the block.
         """
-        if self.dtype not in ("F32", "F16"):
-            raise FactorError(self.name, f"edit() needs an F32 or F16 adapter, this one is {self.dtype}",
-                              problems=["use set_factors_multi(), which converts float32 input to BF16"])
-        stage = self._get_stage()
-        # a timeout, not a plain wait: an edit() opened on the engine thread while another thread's
-        # edit() block waits for the engine would otherwise never return
-        if not stage.lock.acquire(timeout=EDIT_WAIT_S):
-            raise FactorError(self.name, f"another edit() of this adapter stayed open for {EDIT_WAIT_S:.0f} s",
-                              problems=["edit an adapter from one thread at a time"])
-        try:
-            mirror = self._write(lambda: self._open_mirror(stage))
-            names = self.factor_names()
-            try:
-                yield dict(mirror.views)
-            except BaseException:
-                self._write(lambda: None if self.handle.closed else mirror.reload(names))
-                raise
-            self._write(lambda: self._publish_edit(mirror, names))
-        finally:
-            stage.lock.release()
-
-    def _open_mirror(self, stage: FactorStage) -> Mirror:
-        """The staging mirror, read from the tensors only when a direct write made it stale (between
-        decodes, where a queued removal has already happened: so the open check belongs here)."""
-        with self._lock:
-            self._check_open()
-            return stage.mirror()
-
-    def _publish_edit(self, mirror: Mirror, names: list[str]) -> None:
-        with self._lock:
-            self._check_open()
-            self._publish(mirror, names, [])
-            self.version += 1
-
-    def _publish(self, mirror: Mirror, touched: list[str], problems: list[str]) -> None:
-        """Check what the mirror holds for `touched`; publish it, or restore it and refuse (all-or-nothing)."""
-        if not problems:
-            problems = self._value_problems(mirror, touched)
-        if problems:
-            mirror.reload(touched)  # the mirror goes back to the live values
-        self._refuse_if(problems)
-        mirror.commit(touched)
-
-    def _value_problems(self, mirror: Mirror, touched: list[str]) -> list[str]:
-        """NaN/Inf, or a delta that could overflow F32 (the bound a load checks), in what `touched` holds.
-
-        One max |x| over the update decides the common case: if even the largest value times the
-        widest input (for A) and times |alpha| or the rank (for B) stays in the bound, every target
-        does; only otherwise is each target checked exactly.
-        """
-        big = mirror.largest(touched)
-        if not np.isfinite(big):
-            return [f"{n}: factors contain NaN or Inf (after conversion to {self.dtype})"
-                    for n in mirror.check(touched)] or [f"factors contain NaN or Inf (after conversion to {self.dtype})"]
-        g_a, g_b = big * self._widest_in, big * self._widest_gain
-        if g_a <= MAX_DELTA_GAIN and g_b <= MAX_DELTA_GAIN and g_a * g_b <= MAX_DELTA_GAIN:
-            return []
-        return delta_bound_problems({n: mirror.floats(n) for n in touched}, self.alpha)
-
-    def _refuse_if(self, problems: list[str]) -> None:
-        if problems:
-            raise FactorError(self.name, "factors refused, nothing written", problems=problems)
-
-    def _get_stage(self) -> FactorStage:
-        self._check_open()
-        if self._stage is None:
-            assert self._factors is not None
-            stage = FactorStage(self._factors)
-            with self._lock:
-                self._stage = self._stage or stage
-        return self._stage
+        return self.writer.edit()
 
     def _factor(self, name: str) -> FactorTensors:
         self._check_open()
@@ -404,57 +318,13 @@ class LoRAAdapter:
             raise FactorError(self.name, "the adapter was unloaded",
                               problems=["load it again (Engine.load_lora) and use the new LoRAAdapter"])
 
-    def all_factors(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-        """Every factor pair read back from the live tensors."""
-        def read() -> dict[str, tuple[np.ndarray, np.ndarray]]:
-            self._check_open()  # on the engine thread, after any queued removal (see get_factors)
-            assert self._factors is not None
-            return {n: self._read(f) for n, f in self._factors.items()}
-        return self._run(read)
-
-    def save(self, path: str | os.PathLike[str]) -> Path:
-        """Write the current (live) factors to an adapter GGUF that loads anywhere llama.cpp does."""
-        dtype = {"F32": "f32", "F16": "f16", "BF16": "bf16"}.get(self.dtype, "f32")
-        return write_adapter(path, self.model.architecture, self.all_factors(), self.alpha, dtype=dtype,
-                             invocation_tokens=list(self.invocation_tokens) or None, name=self.name)
-
     def close(self) -> None:
-        """Free the native adapter (only once no context uses it; the registry sees to that)."""
-        with self._lock:
-            self.handle.close()
-            self._stage = None
+        """Free the native adapter (only once no context uses it; the registry sees to that).
+
+        The writer closes first: a write being published finishes, later ones raise.
+        """
+        self.writer.close()
+        self.handle.close()
 
 
-def delta_bound_problems(factors: Mapping[str, tuple[np.ndarray, np.ndarray]], alpha: float) -> list[str]:
-    """Targets whose delta could overflow F32, as problem strings (empty: every target is safe).
-
-    For a target with A (r, in) and B (out, r), llama.cpp computes s·B·(A·x) with s = scale·alpha/r
-    (scale when alpha is 0). Per unit of input, A·x is at most g_A = max|A|·in and s·B times that
-    at most g_B = |alpha/r|·max|B|·r. Each of g_A, g_B and g_A·g_B must be ≤ MAX_DELTA_GAIN (2^64):
-    then no intermediate, no bank slot (which holds alpha/r·B) and no delta overflows for inputs
-    whose magnitude times the request scale stays below 2^64. Trained adapters are below 10^6.
-    """
-    if not np.isfinite(alpha):
-        return [f"adapter.lora.alpha is {alpha}; it must be a finite number"]
-    bad = []
-    for name, (a, b) in factors.items():
-        r, n_in = a.shape
-        s = abs(alpha) / r if alpha else 1.0
-        big_a, big_b = _largest(a), _largest(b)
-        if not (math.isfinite(big_a) and math.isfinite(big_b)):  # max/min propagate NaN and show ±Inf
-            bad.append(f"{name}: factors contain NaN or Inf")
-            continue
-        g_a = big_a * n_in
-        g_b = s * big_b * r
-        if not (g_a <= MAX_DELTA_GAIN and g_b <= MAX_DELTA_GAIN and g_a * g_b <= MAX_DELTA_GAIN):
-            bad.append(f"{name}: max|A|·in = {g_a:.3g}, |alpha/r|·max|B|·r = {g_b:.3g} (each and their "
-                       f"product must be ≤ 2^64 ≈ {MAX_DELTA_GAIN:.3g})")
-    return bad[:5] + ([f"… and {len(bad) - 5} more targets"] if len(bad) > 5 else [])
-
-
-def _largest(x: np.ndarray) -> float:
-    """max |x| without a temporary |x| array (half the time of np.abs(x).max()); NaN propagates."""
-    return float(max(x.max(), -x.min())) if x.size else 0.0
-
-
-__all__ = ["EDIT_WAIT_S", "MAX_DELTA_GAIN", "CheckedAdapter", "LoRAAdapter", "delta_bound_problems"]
+__all__ = ["CheckedAdapter", "LoRAAdapter"]

@@ -42,8 +42,8 @@ from .. import _native as N
 from ..errors import AdapterError, BackendError, LoramuxError, SlotsBusyError
 from ..ggml_types import ELEMENT_SIZE
 from ..gguf_io import write_adapter
-from .adapters import LoRAAdapter, delta_bound_problems
-from .factor_stage import FactorTensors
+from .adapters import LoRAAdapter
+from .factor_stage import FactorTensors, delta_bound_problems
 from .model import Context, Model
 from .options import BANK_NODE_ACCESS
 from .phases import BatchEntry

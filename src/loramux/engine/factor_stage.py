@@ -1,27 +1,25 @@
-"""Staged in-place factor writes: fill a mirror, check it once, publish it in one copy.
+"""The memory side of in-place factor writes: where factors live, the mirror, encoding, value checks.
 
 A rank-2 update of every projection of a small model is 252 small arrays. Validating and writing
 them one at a time (an `isfinite`, a dtype conversion and a ctypes call each) costs several
-microseconds an array, far more than the bytes themselves. The stage keeps a mirror of an
+microseconds an array, far more than the bytes themselves. A `Mirror` keeps a copy of an
 adapter's factor memory in the tensors' own storage type:
 
 - `fill`: each incoming array is copied, and converted, straight into its place in the mirror;
-- `check`: one vectorised finiteness test over the mirror (or over what was written, when little was);
-- `commit` (engine thread, between decodes): when the adapter's tensors sit in one host buffer,
-  the mirror has the buffer's exact layout and one memcpy publishes the whole update; otherwise
-  (a GPU buffer, a partial update) one `ggml_backend_tensor_set` per tensor, from addresses
-  computed once.
+- `check` / `largest`: one vectorised pass over the mirror (or over what was written, when little was);
+- `commit` (between decodes): when the adapter's tensors sit in one host buffer, the mirror has the
+  buffer's exact layout and one memcpy publishes the whole update; otherwise (a GPU buffer, a
+  partial update) one `ggml_backend_tensor_set` per tensor, from addresses computed once.
 
-Nothing reaches the live tensors before the whole update has passed its checks, and a refused
-update restores the mirror from the live tensors. The mirror is created on the first write, so
-adapters that are only served never pay its memory; adapters over `MIRROR_MAX_BYTES` skip it in
-`set_factors_multi` and write validated arrays tensor by tensor. `LoRAAdapter.edit()` hands out
-the mirror's views themselves. The adapter's tensors must change only through its stage.
+Adapters over `MIRROR_MAX_BYTES` are written without a mirror, from arrays `encode` validated and
+converted: there the bytes dominate, and a mirror would add two passes over them and double the
+memory. Nothing here locks or decides when: `factor_writer.FactorWriter` owns an adapter's mirror,
+its one lock and the hop between decodes; the adapter's tensors change only through it.
 """
 
 from __future__ import annotations
 
-import threading
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -34,7 +32,10 @@ from ..ggml_types import BF16, ELEMENT_SIZE, STORAGE_DTYPE, decode, to_bf16_bits
 # The names adapters.py imports from here: ggml_types' own tables, not copies.
 
 _PACK_ALIGN = 64
-MIRROR_MAX_BYTES = 8 << 20  # above this, writes go tensor by tensor (see FactorStage)
+MIRROR_MAX_BYTES = 8 << 20  # above this, set_factors_multi writes tensor by tensor (see factor_writer.py)
+# Largest gain a factor pair may have per unit of input (see delta_bound_problems and docs/server.md):
+# F32 tops out near 2**128, so inputs up to 2**64 in magnitude (times the request scale) cannot overflow.
+MAX_DELTA_GAIN = 2.0 ** 64
 
 
 @dataclass
@@ -107,62 +108,39 @@ def _all_finite(view: np.ndarray, ggml_type: int) -> bool:
     return bool(np.isfinite(view).all())
 
 
-class FactorStage:
-    """How one adapter's factors are written: through a mirror when small, directly when large.
+def encode(factors: Mapping[str, FactorTensors], update: Mapping[str, tuple[Any, Any]]
+           ) -> tuple[list[str], list[tuple[int, np.ndarray]], dict[str, tuple[np.ndarray, np.ndarray]]]:
+    """Validate and encode `update` for a direct (mirror-less) write into `factors`.
 
-    Large adapters (over `MIRROR_MAX_BYTES`) are written tensor by tensor from validated,
-    encoded arrays: there the bytes dominate, and a mirror would add two passes over them and
-    double the memory. The mirror is still created when `edit()` asks for views.
+    Returns (problems, [(tensor, array in storage format)], {name: (A, B) as float32}); the floats
+    are for the caller's value checks (NaN/Inf and the delta bound). Reads no live tensor.
     """
+    problems: list[str] = []
+    jobs: list[tuple[int, np.ndarray]] = []
+    floats: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    with np.errstate(over="ignore", invalid="ignore"):
+        for name, pair in update.items():
+            f = factors.get(name)
+            if f is None:
+                problems.append(f"{name}: not a factor of this adapter (see factor_names())")
+                continue
+            try:
+                a, b = pair
+                ea, eb = _encoded(a, f.a_shape, f.type), _encoded(b, f.b_shape, f.type)
+            except (TypeError, ValueError) as e:
+                problems.append(f"{name}: {e}")
+                continue
+            if ea is None or eb is None:
+                problems.append(_shape_problem(name, f, a, b))
+            else:  # NaN/Inf (after conversion) are refused by the caller's delta bound over `floats`
+                jobs += [(f.a, ea), (f.b, eb)]
+                floats[name] = (_as_f32(ea, f.type), _as_f32(eb, f.type))
+    return problems, jobs, floats
 
-    def __init__(self, factors: Mapping[str, FactorTensors]) -> None:
-        self.lock = threading.Lock()  # one update at a time: fill → check → commit (or restore)
-        self.factors = dict(factors)
-        self.total_bytes = sum(_nbytes((0, f.type, s)) for f in self.factors.values() for s in (f.a_shape, f.b_shape))
-        self.use_mirror = self.total_bytes <= MIRROR_MAX_BYTES
-        self._mirror: Mirror | None = None
-        self._mirror_current = False  # False after a direct write: the mirror must re-read the tensors
 
-    def mirror(self) -> Mirror:
-        """The mirror, holding the live values (reads the tensors: call between decodes)."""
-        if self._mirror is None:
-            self._mirror = Mirror(self.factors)
-        elif not self._mirror_current:
-            self._mirror.reload(list(self.factors))
-        self._mirror_current = True
-        return self._mirror
-
-    def encode(self, factors: Mapping[str, tuple[Any, Any]]
-               ) -> tuple[list[str], list[tuple[int, np.ndarray]], dict[str, tuple[np.ndarray, np.ndarray]]]:
-        """Validate and encode for a direct write: (problems, [(tensor, array in storage format)],
-        {name: (A, B) as float32}, for the caller's value checks)."""
-        problems: list[str] = []
-        jobs: list[tuple[int, np.ndarray]] = []
-        floats: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-        with np.errstate(over="ignore", invalid="ignore"):
-            for name, pair in factors.items():
-                f = self.factors.get(name)
-                if f is None:
-                    problems.append(f"{name}: not a factor of this adapter (see factor_names())")
-                    continue
-                try:
-                    a, b = pair
-                    ea, eb = _encoded(a, f.a_shape, f.type), _encoded(b, f.b_shape, f.type)
-                except (TypeError, ValueError) as e:
-                    problems.append(f"{name}: {e}")
-                    continue
-                if ea is None or eb is None:
-                    problems.append(_shape_problem(name, f, a, b))
-                else:  # NaN/Inf (after conversion) are refused by the caller's delta bound over `floats`
-                    jobs += [(f.a, ea), (f.b, eb)]
-                    floats[name] = (_as_f32(ea, f.type), _as_f32(eb, f.type))
-        return problems, jobs, floats
-
-    def write(self, jobs: list[tuple[int, np.ndarray]]) -> None:
-        """Publish encoded arrays (call between decodes)."""
-        self._mirror_current = False
-        for ptr, arr in jobs:
-            N.tensor_set(ptr, arr)
+def total_bytes(factors: Mapping[str, FactorTensors]) -> int:
+    """Bytes of every factor tensor of `factors` (what a mirror of them holds, without padding)."""
+    return sum(_nbytes((0, f.type, s)) for f in factors.values() for s in (f.a_shape, f.b_shape))
 
 
 class Mirror:
@@ -319,4 +297,33 @@ def _shape_problem(name: str, f: FactorTensors, a: Any, b: Any) -> str:
     return f"{name}: got A{sa} B{sb}, expected A{f.a_shape} B{f.b_shape}{hint}"
 
 
-__all__ = ["MIRROR_MAX_BYTES", "FactorStage", "FactorTensors", "Mirror", "as_float"]
+def delta_bound_problems(factors: Mapping[str, tuple[np.ndarray, np.ndarray]], alpha: float) -> list[str]:
+    """Targets whose delta could overflow F32, as problem strings (empty: every target is safe).
+
+    For a target with A (r, in) and B (out, r), llama.cpp computes s·B·(A·x) with s = scale·alpha/r
+    (scale when alpha is 0). Per unit of input, A·x is at most g_A = max|A|·in and s·B times that
+    at most g_B = |alpha/r|·max|B|·r. Each of g_A, g_B and g_A·g_B must be ≤ MAX_DELTA_GAIN (2^64):
+    then no intermediate, no bank slot (which holds alpha/r·B) and no delta overflows for inputs
+    whose magnitude times the request scale stays below 2^64. Trained adapters are below 10^6.
+    A load checks it (adapters.CheckedAdapter), and so does every in-place write (factor_writer.py).
+    """
+    if not np.isfinite(alpha):
+        return [f"adapter.lora.alpha is {alpha}; it must be a finite number"]
+    bad = []
+    for name, (a, b) in factors.items():
+        r, n_in = a.shape
+        s = abs(alpha) / r if alpha else 1.0
+        big_a, big_b = _max_abs(a), _max_abs(b)
+        if not (math.isfinite(big_a) and math.isfinite(big_b)):  # max/min propagate NaN and show ±Inf
+            bad.append(f"{name}: factors contain NaN or Inf")
+            continue
+        g_a = big_a * n_in
+        g_b = s * big_b * r
+        if not (g_a <= MAX_DELTA_GAIN and g_b <= MAX_DELTA_GAIN and g_a * g_b <= MAX_DELTA_GAIN):
+            bad.append(f"{name}: max|A|·in = {g_a:.3g}, |alpha/r|·max|B|·r = {g_b:.3g} (each and their "
+                       f"product must be ≤ 2^64 ≈ {MAX_DELTA_GAIN:.3g})")
+    return bad[:5] + ([f"… and {len(bad) - 5} more targets"] if len(bad) > 5 else [])
+
+
+__all__ = ["MAX_DELTA_GAIN", "MIRROR_MAX_BYTES", "FactorTensors", "Mirror", "as_float", "delta_bound_problems",
+           "encode", "total_bytes"]

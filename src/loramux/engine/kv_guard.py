@@ -4,7 +4,7 @@ On a unified KV cache every sequence of a decode attends over every cell, the ot
 cells masked with -inf. llama.cpp's attention computes exp(-inf)·v = 0·v there, which is 0 only
 while v is finite: one cell holding Inf or NaN (an adapter whose K or V overflows the F16 cache,
 whose largest value is 65504) turns every other sequence of the decode into NaN, and the cells stay
-poisoned for later decodes too. The delta bound at load (adapters.delta_bound_problems) keeps
+poisoned for later decodes too. The delta bound at load (factor_stage.delta_bound_problems) keeps
 values inside F32, not inside F16.
 
 The guard stops the graph at each KV write (SET_ROWS: the K and V rows of the new tokens, each layer)

@@ -91,8 +91,10 @@ class Engine:
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = queue.SimpleQueue()
         self._wake = threading.Event()
         # held by the engine thread while it runs commands or a step, or by a caller running work between
-        # decodes (call_between_decodes); reentrant, so such work may itself write factors in place
-        self._busy = threading.RLock()
+        # decodes (call_between_decodes, which records that caller in _between_owner so that work it
+        # nests, such as a push's in-place write, runs inline instead of hopping to the blocked engine)
+        self._busy = threading.Lock()
+        self._between_owner: int | None = None
         self._closed = False
         self.lost: Exception | None = None  # set when the RPC workers holding the model were lost
         self._thread = threading.Thread(target=self._loop, name="loramux-engine", daemon=True)
@@ -226,20 +228,24 @@ class Engine:
         return self.call_async(fn).result()
 
     def call_between_decodes(self, fn: Callable[[], T]) -> T:
-        """Run `fn` between decodes: at once on this thread when the engine is idle, else like call().
+        """Run `fn` between decodes: the one hop of in-place factor writes and reads (factor_writer.py).
 
-        Idle means no command queued and no step running; the engine's lock is held meanwhile, so
-        no decode or command can start. This saves the two thread switches of a hop (about 0.1–0.2 ms)
-        for small, frequent work such as in-place factor writes. `fn` must not call the engine.
+        On the engine thread, or nested in another call_between_decodes: at once. When the engine is
+        idle (no command queued, no step running): at once on this thread, with the engine's lock held,
+        so no decode or command can start; this saves the two thread switches of a hop (about
+        0.1–0.2 ms). Otherwise like call(). `fn` must not wait for the engine.
         """
-        if threading.current_thread() is self._thread:
+        me = threading.get_ident()
+        if threading.current_thread() is self._thread or self._between_owner == me:
             return fn()
         if self._commands.empty() and self._busy.acquire(blocking=False):
+            self._between_owner = me
             try:
                 if self._closed:
                     raise self.lost or EngineClosedError("the engine is closed")
                 return fn()
             finally:
+                self._between_owner = None
                 self._busy.release()
         return self.call(fn)
 
@@ -295,8 +301,7 @@ class Engine:
 
         def commit() -> LoRAAdapter:
             try:
-                adapter = LoRAAdapter(self.model, checked, name, self.call, source=src,
-                                      write=self.call_between_decodes)
+                adapter = LoRAAdapter(self.model, checked, name, self.call_between_decodes, source=src)
             except AdapterError as e:
                 e.name = name
                 raise

@@ -26,8 +26,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import FactorError, LoramuxError
-from .adapters import LoRAAdapter, delta_bound_problems
-from .factor_stage import as_float
+from .adapters import LoRAAdapter
+from .factor_stage import as_float, delta_bound_problems
 from .registry import AdapterSet
 
 log = logging.getLogger("loramux")
@@ -130,8 +130,8 @@ class PushGate:
 
     def _land(self, p: PendingPush, scheduler: Any) -> None:
         try:
-            p.adapter.set_factors_multi(p.factors)  # on the engine thread: written at once, between decodes
-            p.adapter.version = p.target  # the number promised to the requests behind it
+            # on the engine thread: written at once, as the version promised to the requests behind it
+            p.adapter.writer.write(p.factors, version=p.target)
         except LoramuxError as e:
             self._fail_behind(p, scheduler, e)
             p.future.set_exception(e)
