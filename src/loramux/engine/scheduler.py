@@ -300,7 +300,7 @@ class Scheduler:
         """Let the bank admit the request (banked with its slots, or native); False: wait for slots."""
         if self.bank is None:
             return True
-        adm = self.bank.admit([ph.adapters for ph in r.phases])
+        adm = self.bank.take_slots([ph.adapters for ph in r.phases])
         if adm is None:
             return False
         for i, ph in enumerate(r.phases):
@@ -316,12 +316,12 @@ class Scheduler:
         if self.bank is None:
             return False
         sets = [ph.adapters for ph in head.phases]
-        if not self.bank.can_ever_admit(sets):
+        if not self.bank.can_ever_take(sets):
             return False  # it will be refused or served natively: nobody should wait for it
         assert head.blocked_step is not None
         if self.stats["decode_steps"] - head.blocked_step >= SLOT_WAIT_STEPS:
             return True
-        return self.bank.takes_new_slots([ph.adapters for ph in r.phases])
+        return self.bank.would_write_slots([ph.adapters for ph in r.phases])
 
     def slot_wait_quantiles(self) -> dict[str, float]:
         """p50 / p99 / max seconds that recent banked requests waited for bank slots (0 when not at all)."""
@@ -547,7 +547,7 @@ class Scheduler:
             r.grammar.close()
         if self.bank is not None:
             for k in r.slots:
-                self.bank.release(k)
+                self.bank.return_slot(k)
             r.slots = []
         if error is not None:
             r.emit("error", error)
