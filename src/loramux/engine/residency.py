@@ -285,7 +285,7 @@ class LoadedTier:
     ones it names are loaded again (their files parsed beforehand, off the engine thread, by `prepare`),
     the least recently used adapters nothing uses make room, and `build()` queues the request, all in one
     engine-thread command, so no other load can come between this request's residency and its use.
-    In use means a request waiting or running on it (`in_use`). Never evicted: pinned adapters, the
+    In use means a request waiting or running on it (`users`). Never evicted: pinned adapters, the
     default active set, adapters in use, and the request's own. When no room can be made now, the
     submit waits here, in order, until requests finish (`settle`, after every step); a set that can never
     fit (pinned and active adapters fill the bound) is refused with AdapterCapacityError. An explicit load
@@ -294,20 +294,21 @@ class LoadedTier:
     """
 
     def __init__(self, model: Model, registry: Registry, max_loaded: int | None, *,
-                 in_use: Callable[[LoRAAdapter], bool], load: Callable[[CheckedAdapter, ColdAdapter], LoRAAdapter],
+                 users: Callable[[LoRAAdapter], int], load: Callable[[CheckedAdapter, ColdAdapter], LoRAAdapter],
                  unload: Callable[[str], None]) -> None:
         """`load(checked, cold)` registers a parsed file again (engine thread); `unload(name)` takes an
         adapter out of the registry (it is freed once nothing uses it)."""
         if max_loaded is not None and max_loaded < 1:
             raise ParameterError("max_loaded", f"must be ≥ 1, or None for no bound (got {max_loaded})")
         self.model, self.registry, self.max_loaded = model, registry, max_loaded
-        self._in_use, self._load, self._unload = in_use, load, unload
+        self._users, self._load, self._unload = users, load, unload
         self.lru: LruPolicy[str] = LruPolicy()
         self.pinned: set[str] = set()  # set from any thread (one set operation each)
         self.cold: dict[str, ColdAdapter] = {}
         self._prepared: dict[str, CheckedAdapter] = {}  # parsed cold files, at most one per name
         self.waiting: deque[_Waiting] = deque()
-        self.stats = {"reloads": 0, "evictions": 0, "waited": 0, "parsed_on_engine_thread": 0}
+        # peak: the most adapters loaded at once (past max_loaded only by explicit loads while all are in use)
+        self.stats = {"reloads": 0, "evictions": 0, "waited": 0, "parsed_on_engine_thread": 0, "peak": 0}
 
     # -- queries (any thread) ----------------------------------------------------------------------
     def needs_load(self, names: Iterable[str]) -> bool:
@@ -316,6 +317,11 @@ class LoadedTier:
 
     def is_loaded(self, name: str) -> bool:
         return name in self.registry.adapters
+
+    def users(self, name: str) -> int:
+        """Requests waiting or running on the loaded adapter `name` (0 when it is not loaded)."""
+        a = self.registry.adapters.get(name)
+        return 0 if a is None else self._users(a)
 
     def prepare(self, names: Iterable[str]) -> dict[str, CheckedAdapter]:
         """Parse and check the files of the evicted adapters among `names`, here (not on the engine thread)."""
@@ -352,13 +358,14 @@ class LoadedTier:
             self.pinned.add(adapter.name)
         self.lru.touch(adapter.name)
         self._trim(keep={adapter.name})
+        self.stats["peak"] = max(self.stats["peak"], len(self.registry.adapters))
 
     def check_room(self, name: str) -> None:
         """Refuse an explicit load of `name` when the bound is full of adapters that may never be evicted."""
         loaded = self.registry.adapters
         if self.max_loaded is None or name in loaded or len(loaded) < self.max_loaded:
             return
-        kept = [n for n in loaded if n in self.pinned or n in self.registry.active]
+        kept = [n for n in loaded if n in self.pinned or self._active(n)]
         if len(kept) >= self.max_loaded:
             raise AdapterCapacityError([name], self.max_loaded, kept)
 
@@ -373,9 +380,13 @@ class LoadedTier:
         """After requests finished: evict past the bound what is free now, then let waiting submits in."""
         if self.max_loaded is not None and len(self.registry.adapters) > self.max_loaded:
             self._trim(keep=set())
-        if self.waiting:
-            still = [w for w in self.waiting if not self._run(w)]
-            self.waiting = deque(still)
+        if not self.waiting:
+            return
+        still: deque[_Waiting] = deque()
+        for w in self.waiting:  # loads in order: once one finds no room, later loads wait without looking
+            if (still and self.needs_load(w.names)) or not self._run(w):
+                still.append(w)
+        self.waiting = still
 
     def close(self, error: Exception) -> None:
         """Fail the submits still waiting with `error` and drop the parsed files."""
@@ -433,7 +444,11 @@ class LoadedTier:
     def _protected(self, keep: set[str], in_use: bool = True) -> list[str]:
         """Loaded adapters outside `keep` that may not be evicted now (in_use=False: never)."""
         return [n for n, a in self.registry.adapters.items() if n not in keep and
-                (n in self.pinned or n in self.registry.active or (in_use and self._in_use(a)))]
+                (n in self.pinned or self._active(n) or (in_use and self._users(a) > 0))]
+
+    def _active(self, name: str) -> bool:
+        """In the default set at a nonzero scale (every request without its own set uses it)."""
+        return self.registry.active.get(name, 0.0) != 0.0
 
     def _evictable(self, keep: set[str]) -> list[str]:
         protected = set(self._protected(keep))
@@ -468,6 +483,7 @@ class LoadedTier:
         del self.cold[name]
         self.lru.touch(name)
         self.stats["reloads"] += 1
+        self.stats["peak"] = max(self.stats["peak"], len(self.registry.adapters))
 
     def _keep(self, prepared: Mapping[str, CheckedAdapter]) -> None:
         for n, c in prepared.items():

@@ -84,7 +84,7 @@ class Engine:
         self.scheduler = Scheduler(model, self.ctx, n_parallel, self.bank, opts.deterministic, guard,
                                    score_rows=opts.score_rows)
         # the loaded tier: which adapters llama.cpp holds, at most max_loaded (residency.py)
-        self.loaded = LoadedTier(model, self.registry, opts.max_loaded, in_use=self.scheduler.uses,
+        self.loaded = LoadedTier(model, self.registry, opts.max_loaded, users=self.scheduler.users,
                                  load=lambda checked, cold: self._register(checked, cold.name, cold.source),
                                  unload=self._retire)
         self._eval_ctx: Context | None = None

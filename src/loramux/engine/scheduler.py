@@ -135,6 +135,11 @@ class Scheduler:
     def uses(self, adapter: Any) -> bool:
         return any(a is adapter for r in self.waiting + self.running for ph in r.phases for a, _ in ph.adapters.items)
 
+    def users(self, adapter: Any) -> int:
+        """Requests waiting or running on `adapter` (any thread: it reads copies, so it may be a step old)."""
+        return sum(any(a is adapter for ph in r.phases for a, _ in ph.adapters.items)
+                   for r in list(self.waiting) + self.running)
+
     def submit(self, req: Request) -> None:
         """Queue a request; a risky adapter set this engine cannot guard is refused here (ScaleError)."""
         sets = [ph.adapters for ph in req.phases]
