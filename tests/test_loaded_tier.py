@@ -123,3 +123,22 @@ def test_a_set_that_can_never_fit_is_refused_and_pinned_adapters_stay(tiny_model
         with pytest.raises(AdapterCapacityError):  # two pinned fill the bound: no third load
             eng.load_lora(files["b"], "b2")
         assert sorted(eng.adapters) == ["a", "d"]
+
+
+def test_written_in_place_is_never_evicted_and_an_evaluation_loads_an_evicted_adapter(tiny_model, files):
+    """An adapter written in place no longer equals its file: evicting it would lose the write, so the
+    tier keeps it. `Engine.loss` on an evicted adapter loads it again, like a request does."""
+    with lm.Engine.load(tiny_model, n_ctx=128, n_threads=1) as ref:
+        ref.load_lora(files["b"], "b")
+        want = ref.loss(PROMPT, loras={"b": 1.0})
+    with lm.Engine.load(tiny_model, n_ctx=128, n_threads=1, max_loaded=2) as eng:
+        eng.load_lora(files["a"], "a")
+        eng.load_lora(files["b"], "b")
+        a = eng.adapter("a")
+        t = a.factor_names()[0]
+        fa, fb = a.get_factors(t)
+        a.set_factors(t, fa * 0.5, fb)  # a is the least recently used, but written
+        eng.load_lora(files["c"], "c")
+        assert sorted(eng.adapters) == ["a", "c"] and set(eng.loaded.cold) == {"b"}
+        assert eng.loss(PROMPT, loras={"b": 1.0}) == want  # loaded again (c evicted, never a)
+        assert sorted(eng.adapters) == ["a", "b"]

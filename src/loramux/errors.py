@@ -178,7 +178,7 @@ class SlotsBusyError(LoramuxError):
 
 class AdapterCapacityError(LoramuxError):
     """The adapters a request or load needs cannot be loaded at once under `max_loaded`: the adapters that
-    may not be evicted (pinned, active by default, or needed together) fill the bound."""
+    may not be evicted (pinned, active by default, written in place, in use, or needed together) fill it."""
 
     code = "adapter_capacity"
 
@@ -188,7 +188,8 @@ class AdapterCapacityError(LoramuxError):
         self.kept = sorted(kept)
         kept_txt = ", ".join(self.kept) or "none"
         LoramuxError.__init__(self, f"no room to load {', '.join(map(repr, self.names))}: max_loaded={max_loaded} "
-                                    f"and the adapters that stay loaded (pinned or active: {kept_txt}) "
+                                    f"and the adapters that stay loaded (pinned, active, written in place or in "
+                                    f"use: {kept_txt}) "
                                     "leave too little", hint="unload or unpin an adapter, or raise max_loaded "
                                                              "(--max-loaded)")
 

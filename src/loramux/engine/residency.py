@@ -286,7 +286,7 @@ class LoadedTier:
     the least recently used adapters nothing uses make room, and `build()` queues the request, all in one
     engine-thread command, so no other load can come between this request's residency and its use.
     In use means a request waiting or running on it (`users`). Never evicted: pinned adapters, the
-    default active set, adapters in use, and the request's own. When no room can be made now, the
+    default active set, adapters in use or written in place, and the request's own. When no room can be made now, the
     submit waits here, in order, until requests finish (`settle`, after every step); a set that can never
     fit (pinned and active adapters fill the bound) is refused with AdapterCapacityError. An explicit load
     (`loaded`) never waits: it evicts what it can, and else leaves the tier over its bound until the
@@ -350,6 +350,12 @@ class LoadedTier:
             self.waiting.append(item)
             self.stats["waited"] += 1
 
+    def use_now(self, names: list[str]) -> None:
+        """Make `names` loaded for work that runs now, on the engine thread (an evaluation): evicted ones are
+        loaded again; AdapterCapacityError when no room can be made at once."""
+        if not self._make_resident(names):
+            raise AdapterCapacityError(self._cold_of(names), self.max_loaded or 0, kept=self._protected(set(names)))
+
     def loaded(self, adapter: LoRAAdapter, pin: bool = False) -> None:
         """An explicit load (or replacement) committed `adapter`: count it used, evict past the bound."""
         self.cold.pop(adapter.name, None)
@@ -365,7 +371,7 @@ class LoadedTier:
         loaded = self.registry.adapters
         if self.max_loaded is None or name in loaded or len(loaded) < self.max_loaded:
             return
-        kept = [n for n in loaded if n in self.pinned or self._active(n)]
+        kept = [n for n, a in loaded.items() if n in self.pinned or self._active(n) or a.version > 0]
         if len(kept) >= self.max_loaded:
             raise AdapterCapacityError([name], self.max_loaded, kept)
 
@@ -442,9 +448,10 @@ class LoadedTier:
         return [n for n in dict.fromkeys(names) if n not in loaded and n in self.cold]
 
     def _protected(self, keep: set[str], in_use: bool = True) -> list[str]:
-        """Loaded adapters outside `keep` that may not be evicted now (in_use=False: never)."""
+        """Loaded adapters outside `keep` that may not be evicted now (in_use=False: never). Written in place
+        (version > 0) counts as never: its factors are not its file's any more, a reload would lose them."""
         return [n for n, a in self.registry.adapters.items() if n not in keep and
-                (n in self.pinned or self._active(n) or (in_use and self._users(a) > 0))]
+                (n in self.pinned or self._active(n) or a.version > 0 or (in_use and self._users(a) > 0))]
 
     def _active(self, name: str) -> bool:
         """In the default set at a nonzero scale (every request without its own set uses it)."""

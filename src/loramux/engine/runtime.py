@@ -203,6 +203,7 @@ class Engine:
         self._closed = True
         self.scheduler.fail_all(self.lost)
         self._drain_commands(self.lost)
+        self.loaded.close(self.lost)
 
     @property
     def closed(self) -> bool:
@@ -604,6 +605,7 @@ class Engine:
 
     def _prepare_eval(self, loras: LoraArg, control: ControlArg) -> Context:
         ctx = self._eval()
+        self.loaded.use_now(requested_names(loras, self.registry.active))  # evicted ones loaded again
         aset: AdapterSet = self.registry.adapter_set(loras)
         if self._eval_risky:  # the last evaluation's cells may hold out-of-range K/V: zero the data
             ctx.clear()
