@@ -51,6 +51,7 @@ from .slot_memory import SlotMemory
 
 PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 VIEW_CACHE_MAX = 4096  # cached node views (a few per graph shape); cleared when exceeded
+SLOT_WAIT_STEPS = 32  # decode steps a request may wait for bank slots before no later request passes it
 
 
 @dataclass
@@ -395,12 +396,22 @@ class SlotBank:
             return None
         return uniq
 
-    def would_write_slots(self, sets: Sequence[AdapterSet]) -> bool:
+    def holds_back(self, head: Sequence[AdapterSet], waited_steps: int, sets: Sequence[AdapterSet]) -> bool:
+        """No adapter starves: behind a request (`head`, its phases' sets) that waits for slots, a later one
+        (`sets`) may not take an idle slot (it could be the one the head needs); once the head waited
+        SLOT_WAIT_STEPS decode steps, nothing passes it until it is in (running requests free their slots)."""
+        if not self._can_ever_take(head):
+            return False  # it will be refused or served natively: nobody should wait for it
+        if waited_steps >= SLOT_WAIT_STEPS:
+            return True
+        return self._would_write_slots(sets)
+
+    def _would_write_slots(self, sets: Sequence[AdapterSet]) -> bool:
         """Would admitting these sets write at least one slot (take a slot no one holds for them)?"""
         uniq = self._unique(sets)
         return uniq is not None and any(self.slot_of(a) is None for a in uniq)
 
-    def can_ever_take(self, sets: Sequence[AdapterSet]) -> bool:
+    def _can_ever_take(self, sets: Sequence[AdapterSet]) -> bool:
         """Banked sets that fit once every running request released its slots (pinned slots stay)."""
         uniq = self._unique(sets)
         if uniq is None:
@@ -555,4 +566,5 @@ def token_scales(bank: SlotBank, entries: Sequence[tuple[int, Sequence[tuple[int
     return np.concatenate(rows) if rows else np.zeros((0, bank.K), np.float32)
 
 
-__all__ = ["Admission", "Mask", "MaskPlan", "SlotBank", "bank_info", "plan_ubatches", "token_scales"]
+__all__ = ["SLOT_WAIT_STEPS", "Admission", "Mask", "MaskPlan", "SlotBank", "bank_info", "plan_ubatches",
+           "token_scales"]

@@ -34,7 +34,6 @@ log = logging.getLogger("loramux")
 
 _ids = itertools.count(1)
 GROUP_RUN_STEPS = 8  # steps a group keeps the context before another waiting group gets it
-SLOT_WAIT_STEPS = 32  # decode steps a request may wait for bank slots before no later request passes it
 SLOT_WAITS_KEPT = 4096  # recent slot waits kept for the p50/p99 figures
 
 
@@ -315,18 +314,12 @@ class Scheduler:
         return True
 
     def _held_back(self, head: Request, r: Request) -> bool:
-        """No adapter starves: behind a request that waits for bank slots, a later request may not take
-        an idle slot (it could be the one the head needs); once the head waited SLOT_WAIT_STEPS decode
-        steps, nothing passes it until it is in (running requests finish and free their slots)."""
+        """May `r` not pass `head`, which waits for bank slots? The bank decides (`SlotBank.holds_back`)."""
         if self.bank is None:
             return False
-        sets = [ph.adapters for ph in head.phases]
-        if not self.bank.can_ever_take(sets):
-            return False  # it will be refused or served natively: nobody should wait for it
         assert head.blocked_step is not None
-        if self.stats["decode_steps"] - head.blocked_step >= SLOT_WAIT_STEPS:
-            return True
-        return self.bank.would_write_slots([ph.adapters for ph in r.phases])
+        return self.bank.holds_back([ph.adapters for ph in head.phases], self.stats["decode_steps"] - head.blocked_step,
+                                    [ph.adapters for ph in r.phases])
 
     def slot_wait_quantiles(self) -> dict[str, float]:
         """p50 / p99 / max seconds that recent banked requests waited for bank slots (0 when not at all)."""
