@@ -63,6 +63,14 @@ def test_third_adapter_evicts_the_least_recently_used_and_comes_back_on_demand(t
         assert eng.generate(PROMPT, loras={"b": 1.0}, max_tokens=8).text == want["b"]  # loaded again
         assert sorted(eng.adapters) == ["b", "c"]  # a was the least recently used then
         assert eng.loaded.stats["evictions"] == 2 and eng.loaded.stats["reloads"] == 1
+        eng.set_lora("a", 0.5)  # activating an evicted adapter by name loads it again (evicting c)
+        assert sorted(eng.adapters) == ["a", "b"] and eng.active == {"a": 0.5}
+        eng.generate(PROMPT, loras={"b": 1.0}, max_tokens=1)  # b used after a
+        eng.load_lora(files["c"], "c")  # a is the least recently used, but active: b goes
+        assert sorted(eng.adapters) == ["a", "c"]
+        eng.set_lora("a", 0.0)
+        assert eng.generate(PROMPT, loras={"b": 1.0}, max_tokens=8).text == want["b"]  # a (scale 0 now) goes
+        assert sorted(eng.adapters) == ["b", "c"]
         eng.remove_lora("a")  # an evicted adapter can be unloaded: nothing of it stays
         assert "a" not in eng.loaded.cold
         with pytest.raises(lm.AdapterNotFoundError):

@@ -339,6 +339,13 @@ class Engine:
         """
         src = os.fspath(source)
         key = name or src
+        cold = self.loaded.cold.get(key)
+        if cold is not None and (name is None or src in (name, cold.source)):  # evicted: loaded again, at once
+            def reload() -> LoRAAdapter:
+                self.loaded.use_now([key])
+                self.registry.set_scale(key, scale)
+                return self.registry.get(key)
+            return self.call(reload)
         if key in self.registry.adapters and (name is None or src in (name, str(self.registry.adapters[name].source))):
             self.call(lambda: self.registry.set_scale(key, scale))
             return self.registry.adapters[key]
