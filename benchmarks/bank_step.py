@@ -84,7 +84,7 @@ def build(args: argparse.Namespace, work: Path) -> tuple[list[System], list[Syst
     adapters = [LoRAAdapter(model, write_random_adapter(work / f"a{k}.gguf", arch, shapes, args.rank, 100 + k),
                             f"a{k}") for k in range(N_ADAPTERS)]
     bank = SlotBank(model, N_ADAPTERS, args.slot_rank or args.rank)
-    slot = [bank.acquire(a) for a in adapters]
+    slot = [bank.take_slot(a) for a in adapters]
     prompt = model.tokenize(PROMPT)
     opts = ContextOptions(n_ctx=args.n_ctx * N_SEQ, n_batch=512, n_ubatch=512, n_seq_max=N_SEQ,
                           n_threads=args.threads, kv_unified=True, flash_attn=args.flash_attn)

@@ -176,9 +176,9 @@ def _time_slot_loads(bank: Any, ads: list[Any], repeats: int, warm: bool) -> lis
         if not warm:
             bank.warm.discard(a)
         t0 = time.perf_counter()
-        k = bank.acquire(a)
+        k = bank.take_slot(a)
         out.append((time.perf_counter() - t0) * 1000)
-        bank.release(k)
+        bank.return_slot(k)
     return sorted(out)
 
 

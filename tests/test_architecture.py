@@ -427,3 +427,43 @@ def test_error_fields_are_declared_not_attached():
                         attached.append(f"{p.relative_to(ROOT)}:{t.lineno} {bound[t.value.id]}.{t.attr}")
     assert attached == []
     assert {"field", "fields"} <= declared["AdapterError"] and "field" in declared["GGUFFormatError"]
+
+
+# LRU bookkeeping that is not about adapters: the server's cache of parsed control-vector settings.
+LRU_ELSEWHERE = {"loramux.server.state": "parsed control-vector settings, not adapters"}
+RESIDENCY_OWNER = "loramux.engine.residency"
+
+
+def _lru_marks(path: Path) -> list[str]:
+    """What hand-written recency ordering looks like: an OrderedDict, move_to_end, popitem(last=False),
+    a `last_used` stamp, a function or method that evicts."""
+    marks = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Name) and node.id == "OrderedDict":
+            marks.append(f"line {node.lineno}: OrderedDict")
+        elif isinstance(node, ast.Attribute) and node.attr in ("move_to_end", "last_used", "OrderedDict"):
+            marks.append(f"line {node.lineno}: .{node.attr}")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "popitem" \
+                and any(k.arg == "last" for k in node.keywords):
+            marks.append(f"line {node.lineno}: popitem(last=...)")
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and "evict" in node.name.lower() and node.name != "evictions":
+            marks.append(f"line {node.lineno}: def {node.name}")
+    return marks
+
+
+def test_one_module_owns_residency_and_its_eviction_order():
+    """Residency has one owner: only engine/residency.py orders adapters by recency or evicts them
+    (its LruPolicy serves the loaded tier, the warm tier and the bank's slot choice)."""
+    found = {}
+    for p in sorted(ROOT.rglob("*.py")):
+        mod = _module_name(p)
+        if mod == RESIDENCY_OWNER or mod in LRU_ELSEWHERE:
+            continue
+        marks = _lru_marks(p)
+        if marks:
+            found[mod] = marks
+    assert not found, f"recency ordering / eviction outside {RESIDENCY_OWNER}: {found}; use its LruPolicy"
+    owner = ROOT / "engine" / "residency.py"
+    assert any("def _evict" in m for m in _lru_marks(owner)) and "class LruPolicy" in owner.read_text()
+    bank = (ROOT / "engine" / "bank.py").read_text()
+    assert "LruPolicy()" in bank  # the slot choice is the same policy, not a min() over timestamps

@@ -71,7 +71,7 @@ def _padded(bank, user, slot, path):
 
 def test_mixed_batch_is_bit_identical_to_padded_controls(setup):
     model, bank, users, tmp = setup
-    slots = [bank.acquire(u) for u in users]
+    slots = [bank.take_slot(u) for u in users]
     assert sorted(slots) == [0, 1, 2]
     # seq 0..2 use users 0..2 at scale 1 (alpha == rank, so the mask value is exactly 1); seq 3 none
     seq_tokens = [model.tokenize(p) for p in PROMPTS]
@@ -107,7 +107,7 @@ def test_mixed_batch_is_bit_identical_to_padded_controls(setup):
 def test_masks_stay_right_across_decodes_and_batch_shapes(setup):
     """The callback caches node views per memory place: later decodes, other shapes, other slots."""
     model, bank, users, tmp = setup
-    slots = [bank.acquire(u) for u in users]
+    slots = [bank.take_slot(u) for u in users]
     seq_tokens = [model.tokenize(p) for p in PROMPTS]
     ctx = _ctx(model, bank.callback)
     ctx.handle.set_adapters([bank.adapter.handle], [1.0])
@@ -140,20 +140,20 @@ def test_slot_lru_pinning_and_rewrite(setup):
     model, bank, users, tmp = setup
     extra = [LoRAAdapter(model, users[0].path, f"x{i}") for i in range(3)]
     try:
-        k0 = bank.pin(users[0])
-        ks = [bank.acquire(u) for u in [users[1], users[2], extra[0]]]
+        k0 = bank.pin_slot(users[0])
+        ks = [bank.take_slot(u) for u in [users[1], users[2], extra[0]]]
         assert None not in ks and k0 not in ks
-        assert bank.acquire(extra[1]) is None  # every slot busy (one pinned, three referenced)
-        bank.release(ks[0])  # users[1] idle now: the least recently used idle slot is evicted
-        k = bank.acquire(extra[1])
+        assert bank.take_slot(extra[1]) is None  # every slot busy (one pinned, three referenced)
+        bank.return_slot(ks[0])  # users[1] idle now: the least recently used idle slot is evicted
+        k = bank.take_slot(extra[1])
         assert k == ks[0] and bank.slot_of(users[1]) is None
         assert bank.slot_of(users[0]) == k0  # pinned stays
         # an in-place write to a user adapter makes its slot stale; the next acquire rewrites
-        bank.release(ks[1])
+        bank.return_slot(ks[1])
         users[2].set_factors_multi(random_factors(rank=3, seed=999))
         assert bank.slot_of(users[2]) is None
         before = bank.writes
-        assert bank.acquire(users[2]) is not None and bank.writes == before + 1
+        assert bank.take_slot(users[2]) is not None and bank.writes == before + 1
     finally:
         for e in extra:
             e.close()
@@ -180,7 +180,7 @@ def test_an_unplanned_or_failed_mask_never_leaves_the_bank_unmasked(setup, monke
 
     model, bank, users, _ = setup
     for u in users:
-        bank.acquire(u)
+        bank.take_slot(u)
     toks = [model.tokenize(p) for p in PROMPTS]
     ctx, plain = _ctx(model, bank.callback), _ctx(model)
     try:
@@ -245,7 +245,7 @@ def test_mixed_requests_share_decodes_and_keep_their_adapters(bank_engine):
     assert good >= len(out) - 1, good
     same = sum(a.tokens == b.tokens for a, b in zip(out, solo))
     assert same >= len(out) // 2  # batch-variance may flip a few greedy tokens; most agree
-    assert sorted(eng.bank.resident()) == ["u0", "u1", "u2"]
+    assert sorted(eng.bank.in_slots()) == ["u0", "u1", "u2"]
 
 
 def test_slot_rewritten_in_place_is_used_by_next_request(bank_engine, tiny_model, tmp_path):
@@ -270,7 +270,7 @@ def test_adapter_too_big_for_a_slot_is_served_the_ordinary_way(bank_engine, tmp_
     eng.load_lora(p, name="big")
     toks = eng.tokenize("the cat sat on the mat")
     c = eng.generate(toks, loras={"big": 1.0}, max_tokens=8, ignore_eos=True)
-    assert "big" not in eng.bank.resident()
+    assert "big" not in eng.bank.in_slots()
     first = int(np.argmax(eng.logits(toks, loras={"big": 1.0})[-1]))
     assert c.tokens[0] == first
 
@@ -350,13 +350,13 @@ def _check_against_native(model, tmp, shapes: list[Shape], *, slot_rank: int = 8
                                                  random_factors(rank=slot_rank, seed=50 + k), 1.0), f"f{k}")
                 for k in range(4)]
         for f in fill:
-            bank.acquire(f)
+            bank.take_slot(f)
         for k, f in enumerate(fill):
-            bank.release(k)
+            bank.return_slot(k)
             bank.forget(f)
             f.close()
     seq_tokens = [model.tokenize(p) for p in PROMPTS]
-    slots = [bank.acquire(u) for u in users]
+    slots = [bank.take_slot(u) for u in users]
     entries = [(len(t), [(slots[i], shapes[i].scale)] if i < len(shapes) else []) for i, t in enumerate(seq_tokens)]
     bctx, nctx = _f32_ctx(model, bank.callback), _f32_ctx(model)
     try:
@@ -455,7 +455,7 @@ def test_garbage_in_an_unused_slot_never_reaches_any_sequence(setup):
     A·x overflows to Inf, as an unloaded adapter's leftovers might), every sequence is bit-identical to
     its control, base-model sequences included. A mask that multiplied by 0 would make that Inf NaN."""
     model, bank, users, tmp = setup
-    slots = [bank.acquire(u) for u in users[:2]]
+    slots = [bank.take_slot(u) for u in users[:2]]
     junk = next(k for k in range(K) if k not in slots)
     rows = slice(junk * R, junk * R + R)
     # written past every check (set_factors_multi refuses factors whose delta could overflow): raw bytes
@@ -595,7 +595,7 @@ def test_mixed_rank_adapter_joins_running_requests(rank_pattern_engine):
 def test_failed_slot_write_fails_only_its_request_and_leaves_the_slot_empty(rank_pattern_engine, monkeypatch):
     """A slot write that fails half-way (the backend raising on a later tensor) fails that request alone
     with an error naming its adapter; the slot is left empty and free, and the next write takes it."""
-    from loramux.engine.residency import SlotMemory
+    from loramux.engine.slot_memory import SlotMemory
     from loramux.errors import BackendError
 
     eng = rank_pattern_engine
@@ -636,7 +636,7 @@ def test_adapter_listing_says_whether_it_goes_through_the_bank(tiny_model, tmp_p
     big = write_adapter(tmp_path / "big.gguf", "llama", _per_layer({"attn_q": 2}, 8, seed=82), 8.0)
     eng = lm.Engine.load(tiny_model, n_ctx=128, n_parallel=2, n_threads=1, slots=2, slot_rank=4,
                          loras=[lm.LoraSpec(str(small), 0.0, "small"), lm.LoraSpec(str(big), 0.0, "big")])
-    adm = eng.call(lambda: eng.bank.admit([eng.registry.adapter_set({"big": 1.0})]))
+    adm = eng.call(lambda: eng.bank.take_slots([eng.registry.adapter_set({"big": 1.0})]))
     assert adm is not None and not adm.banked and adm.reason == "big: rank 8 > slot rank 4" and adm.slots == ()
     with serve_in_thread(create_app(eng, ServerSettings(), own_engine=True)) as srv:
         listed = {m["id"]: m for m in httpx.get(srv.url + "/v1/models", timeout=30).json()["data"]}
@@ -648,7 +648,7 @@ def test_device_mask_path_is_bit_identical_and_moves_only_the_rows_it_changes(se
     """The transfer path (for node outputs off the host: GPU, RPC), forced on the CPU: the same bits as
     masking in place, and only rows the mask changes cross the boundary, one run per call."""
     model, bank, users, tmp = setup
-    slots = [bank.acquire(u) for u in users]
+    slots = [bank.take_slot(u) for u in users]
     seq_tokens = [model.tokenize(p) for p in PROMPTS]
     # per sequence: every slot at exactly 1 (its rows are left alone), none (written as zeros, never
     # read), one slot at 0.5 and two slots at 1 (read, masked, written back)
@@ -729,7 +729,7 @@ def test_an_adapter_that_overflows_the_f16_kv_cache_leaves_the_other_sequences_o
     guard = KvGuard(model, bank.callback, "f16")
     try:
         assert guard.risky([AdapterSet(((hot, 1.0),))]) and not guard.risky([AdapterSet(((users[0], 1.0),))])
-        k_hot, k_user = bank.acquire(hot), bank.acquire(users[0])
+        k_hot, k_user = bank.take_slot(hot), bank.take_slot(users[0])
         seq_tokens = [model.tokenize(PROMPTS[0]), model.tokenize(PROMPTS[1]), model.tokenize(PROMPTS[2])]
         flags = np.concatenate([[0] * (len(x) - 1) + [1] for x in seq_tokens]) != 0
         ctx = Context(model, ContextOptions(n_ctx=512, n_batch=64, n_ubatch=64, n_seq_max=4, n_threads=2,

@@ -137,8 +137,8 @@ def test_slot_loads_from_warm_hold_exactly_the_adapters_factors(three_ranks):
         hits = bank.warm.stats["hits"]
 
         def write(a=a):
-            assert bank.acquire(a) == 0
-            bank.release(0)
+            assert bank.take_slot(a) == 0
+            bank.return_slot(0)
             return _slot_contents(bank, 0), _expected(bank, a)
         got, want = eng.call(write)
         assert bank.warm.stats["hits"] == hits + (i >= 3)  # the second round comes from the warm tier
@@ -150,14 +150,14 @@ def test_slot_loads_from_warm_hold_exactly_the_adapters_factors(three_ranks):
 def test_an_in_place_write_is_not_served_from_stale_warm_blocks(three_ranks):
     eng = three_ranks
     bank, a = eng.bank, eng.adapter("r4")
-    eng.call(lambda: (bank.acquire(a), bank.release(0)))
-    eng.call(lambda: (bank.acquire(eng.adapter("r3")), bank.release(0)))  # r4 leaves the slot, stays warm
+    eng.call(lambda: (bank.take_slot(a), bank.return_slot(0)))
+    eng.call(lambda: (bank.take_slot(eng.adapter("r3")), bank.return_slot(0)))  # r4 leaves the slot, stays warm
     assert bank.warm.has(a)
     t = bank.targets[0]
     fa, fb = a.get_factors(t)
     a.set_factors(t, fa * 2, fb)  # a new version
     assert not bank.warm.has(a)
-    got, want = eng.call(lambda: (bank.acquire(a), bank.release(0), _slot_contents(bank, 0), _expected(bank, a))[2:])
+    got, want = eng.call(lambda: (bank.take_slot(a), bank.return_slot(0), _slot_contents(bank, 0), _expected(bank, a))[2:])
     assert np.array_equal(got[t][0], want[t][0]) and np.array_equal(got[t][0][:4], fa * 2)
 
 

@@ -51,9 +51,9 @@ def test_ten_thousand_slot_load_unload_cycles_do_not_grow_rss(tiny_model, tmp_pa
                 a = ads[order[i % 4]]
                 if i % 7 == 0:
                     bank.prefetcher.submit(a)  # now and then prepared by the worker, racing the write
-                k = bank.acquire(a)
+                k = bank.take_slot(a)
                 assert k is not None
-                bank.release(k)
+                bank.return_slot(k)
                 if i % 5 == 0:
                     bank.forget(a)  # unloaded from the bank: slot and warm blocks go
 

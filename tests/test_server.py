@@ -387,6 +387,30 @@ def test_lru_max_loaded_evicts_and_reloads(tiny_model, adir):
         assert 'max_lora="2"' in m and "loramux_adapter_evictions_total 3.0" in m
 
 
+def test_concurrent_requests_over_more_adapters_than_max_loaded_all_complete(tiny_model, adir):
+    """32 concurrent requests over 4 unpinned adapters with room for 2: each request's adapters are loaded
+    and in use in one engine step, so none is refused (no 503 adapter_capacity) and none is retried; each
+    answer is exactly its adapter's; the engine never held more than 2."""
+    names = ["s1", "s2", "s3", "s4"]
+    with serving(tiny_model, adir, parallel=2, max_loaded=2) as (srv, eng, state):
+        for n in names:
+            assert httpx.post(srv.url + "/v1/load_lora_adapter", headers=ADMIN,
+                              json={"lora_name": n, "lora_path": f"{n}.gguf"}).status_code == 200
+        with lm.Engine.load(tiny_model, n_ctx=256, n_threads=1) as ref:
+            want = {n: ref.generate(PROMPTS[1], loras={n: 1.0}, max_tokens=6).text
+                    for n in names if ref.load_lora(adir / f"{n}.gguf", n)}
+        body = {"prompt": PROMPTS[1], "max_tokens": 6, "temperature": 0}
+        order = [names[(i * 3) % 4] for i in range(32)]
+        with ThreadPoolExecutor(16) as pool:
+            rs = list(pool.map(lambda n: httpx.post(srv.url + "/v1/completions", json={"model": n, **body},
+                                                    timeout=120), order))
+        assert [r.status_code for r in rs] == [200] * 32, [r.text for r in rs if r.status_code != 200][:2]
+        assert [r.json()["choices"][0]["text"] for r in rs] == [want[n] for n in order]
+        st = eng.loaded.stats
+        assert st["reloads"] >= 2 and st["peak"] == 2 and len(state.pool.resident()) == 2, st
+        assert all(e.inflight == 0 for e in state.pool.entries.values())
+
+
 def test_control_vector_by_name(tiny_model, adir, tmp_path):
     import numpy as np
 

@@ -18,6 +18,7 @@ Every public error is defined here. The tree (``code`` is what the server puts i
     ├── AdapterVersionError         adapter_version_gone a request asked for a version no longer served
     ├── ScaleError                  invalid_scale        (also a ValueError)
     ├── SlotsBusyError              slots_busy           every bank slot is in use
+    ├── AdapterCapacityError        adapter_capacity     an adapter set cannot be loaded at once (max_loaded)
     ├── SourceError                 invalid_source       a source cannot be resolved
     │   ├── DownloadError           download_failed
     │   │   ├── ChecksumError       checksum_mismatch
@@ -191,6 +192,24 @@ class SlotsBusyError(LoramuxError):
     """Every slot of the bank holds an adapter that a running request uses."""
 
     code = "slots_busy"
+
+
+class AdapterCapacityError(LoramuxError):
+    """The adapters a request or load needs cannot be loaded at once under `max_loaded`: the adapters that
+    may not be evicted (pinned, active by default, written in place, in use, or needed together) fill it."""
+
+    code = "adapter_capacity"
+
+    def __init__(self, names: Iterable[str], max_loaded: int, kept: Iterable[str] = ()) -> None:
+        self.names = list(names)
+        self.max_loaded = max_loaded
+        self.kept = sorted(kept)
+        kept_txt = ", ".join(self.kept) or "none"
+        LoramuxError.__init__(self, f"no room to load {', '.join(map(repr, self.names))}: max_loaded={max_loaded} "
+                                    f"and the adapters that stay loaded (pinned, active, written in place or in "
+                                    f"use: {kept_txt}) "
+                                    "leave too little", hint="unload or unpin an adapter, or raise max_loaded "
+                                                             "(--max-loaded)")
 
 
 class SourceError(LoramuxError):
@@ -419,7 +438,7 @@ class ProbeMismatch(LoramuxError):
 
 
 __all__ = [
-    "AdapterError", "AdapterNotFoundError", "AdapterVersionError", "BackendError", "ChecksumError", "ContextLengthError",
+    "AdapterCapacityError", "AdapterError", "AdapterNotFoundError", "AdapterVersionError", "BackendError", "ChecksumError", "ContextLengthError",
     "ControlVectorError", "ConversionError", "DownloadCancelled", "DownloadError", "DownloadRefused",
     "ChatTemplateError", "EngineClosedError", "FactorError", "GGUFFormatError", "GrammarBudgetError", "GrammarError",
     "GrammarSyntaxError",

@@ -15,7 +15,7 @@ own delta and exactly +0.0 for the others (B is always finite: every write is ch
 decode serves every sequence whatever its adapters, with no change of the context's adapter set and
 no graph re-reserve.
 
-The bank owns admission: `admit()` decides whether a request goes through the bank (every adapter
+The bank owns slot admission: `take_slots()` decides whether a request goes through the bank (every adapter
 fits a slot, and they fit the bank together), takes its slots (all or none) and returns the mask
 values of each phase; `decode()` plans the masks, runs the decode and checks that every bank node was
 masked. A slot write is all-or-nothing: it is marked empty before the first byte changes and claims
@@ -31,7 +31,6 @@ of silently serving unmasked output. A node the plan does not cover is zeroed (n
 from __future__ import annotations
 
 import tempfile
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,10 +47,12 @@ from .model import Context, Model
 from .options import BANK_NODE_ACCESS
 from .phases import BatchEntry
 from .registry import AdapterSet
-from .residency import DEFAULT_CACHE_BYTES, Prefetcher, SlotBlocks, SlotMemory, WarmCache
+from .residency import DEFAULT_CACHE_BYTES, LruPolicy, Prefetcher, SlotBlocks, WarmCache
+from .slot_memory import SlotMemory
 
 PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 VIEW_CACHE_MAX = 4096  # cached node views (a few per graph shape); cleared when exceeded
+SLOT_WAIT_STEPS = 32  # decode steps a request may wait for bank slots before no later request passes it
 
 
 @dataclass
@@ -60,16 +61,15 @@ class _Slot:
     version: int = -1
     refs: int = 0
     pinned: bool = False
-    last_used: float = 0.0
 
 
 @dataclass(frozen=True)
 class Admission:
-    """What `SlotBank.admit` decided for one request.
+    """What `SlotBank.take_slots` decided for one request.
 
     banked: the request goes through the bank (per-token masks); False: it is served natively, with
     its adapter set in the graph, and `reason` says why. `slots`: the slots it holds (give each back
-    with `release` when it finishes). `scales`: per phase, the (slot, mask value) pairs its tokens use.
+    with `return_slot` when it finishes). `scales`: per phase, the (slot, mask value) pairs its tokens use.
     """
 
     banked: bool
@@ -213,6 +213,7 @@ class SlotBank:
         self._esize = ELEMENT_SIZE[self._facs[self.targets[0]].type]
         self._store = np.float32 if self._esize == 4 else np.float16
         self.slots = [_Slot() for _ in range(slots)]
+        self.recency: LruPolicy[int] = LruPolicy()  # which idle slot a new adapter takes (residency.py)
         self.plan: MaskPlan | None = None
         self._views: dict[tuple[int | None, int | None, int], np.ndarray | None] = {}
         self.writes = 0
@@ -236,7 +237,7 @@ class SlotBank:
         """Can this adapter live in a slot (every rank ≤ r, every target a bank projection)?"""
         return self.refusal(adapter) is None
 
-    def admit(self, sets: Sequence[AdapterSet]) -> Admission | None:
+    def take_slots(self, sets: Sequence[AdapterSet]) -> Admission | None:
         """Decide how a request whose phases use `sets` is served, and take its slots.
 
         Banked when every adapter fits a slot and there are at most K of them: then every slot is
@@ -255,17 +256,17 @@ class SlotBank:
         got: dict[int, int] = {}
         try:
             for uid, a in uniq.items():
-                k = self.acquire(a)
+                k = self.take_slot(a)
                 if k is None:
                     break
                 got[uid] = k
         except BaseException:
             for k in got.values():
-                self.release(k)
+                self.return_slot(k)
             raise
         if len(got) < len(uniq):
             for k in got.values():
-                self.release(k)
+                self.return_slot(k)
             return None
         scales = tuple(tuple((got[a.uid], float(s)) for a, s in st.items) for st in sets)
         return Admission(True, tuple(got.values()), scales)
@@ -277,31 +278,33 @@ class SlotBank:
                 return k
         return None
 
-    def acquire(self, adapter: LoRAAdapter) -> int | None:
-        """A slot holding this adapter's current factors (written now if needed); None if all are busy."""
+    def take_slot(self, adapter: LoRAAdapter) -> int | None:
+        """A slot holding this adapter's current factors, now in use by one more request (written now if
+        needed: an empty idle slot, else the least recently used idle one); None if all are busy."""
         k = self.slot_of(adapter)
         if k is None:
             idle = [i for i, s in enumerate(self.slots) if s.refs == 0 and not s.pinned]
-            if not idle:
+            empty = [i for i in idle if self.slots[i].adapter is None]
+            k = self.recency.victim(empty or idle)
+            if k is None:
                 return None
-            k = min(idle, key=lambda i: (self.slots[i].adapter is not None, self.slots[i].last_used))
             self._write(k, adapter)
-        s = self.slots[k]
-        s.refs += 1
-        s.last_used = time.monotonic()
+        self.slots[k].refs += 1
+        self.recency.touch(k)
         return k
 
-    def release(self, k: int) -> None:
+    def return_slot(self, k: int) -> None:
+        """A request that took slot k (`take_slot`) is done with it."""
         self.slots[k].refs = max(0, self.slots[k].refs - 1)
 
-    def pin(self, adapter: LoRAAdapter) -> int:
-        """Keep an adapter resident (never evicted); raises SlotsBusyError when no slot can take it."""
-        k = self.acquire(adapter)
+    def pin_slot(self, adapter: LoRAAdapter) -> int:
+        """Keep an adapter in a slot for good (never evicted); raises SlotsBusyError when no slot can take it."""
+        k = self.take_slot(adapter)
         if k is None:
             raise SlotsBusyError(f"every one of the {self.K} slots is in use; cannot pin {adapter.name!r}",
                                  hint="raise --max-loaded / slots, or unpin an adapter")
         self.slots[k].pinned = True
-        self.release(k)
+        self.return_slot(k)
         return k
 
     def forget(self, adapter: LoRAAdapter) -> None:
@@ -311,7 +314,8 @@ class SlotBank:
                 s.adapter, s.version, s.pinned = None, -1, False
         self.warm.discard(adapter)
 
-    def resident(self) -> list[str]:
+    def in_slots(self) -> list[str]:
+        """Names of the adapters a slot holds."""
         return [s.adapter.name for s in self.slots if s.adapter is not None]
 
     def _write(self, k: int, adapter: LoRAAdapter) -> None:
@@ -387,18 +391,28 @@ class SlotBank:
                 self.prefetcher.submit(a)
 
     def _unique(self, sets: Sequence[AdapterSet]) -> list[LoRAAdapter] | None:
-        """The distinct adapters of these sets if admit() would bank them, else None (served natively)."""
+        """The distinct adapters of these sets if take_slots() would bank them, else None (served natively)."""
         uniq = list({a.uid: a for s in sets for a, _ in s.items}.values())
         if len(uniq) > self.K or any(self.refusal(a) is not None for a in uniq):
             return None
         return uniq
 
-    def takes_new_slots(self, sets: Sequence[AdapterSet]) -> bool:
+    def holds_back(self, head: Sequence[AdapterSet], waited_steps: int, sets: Sequence[AdapterSet]) -> bool:
+        """No adapter starves: behind a request (`head`, its phases' sets) that waits for slots, a later one
+        (`sets`) may not take an idle slot (it could be the one the head needs); once the head waited
+        SLOT_WAIT_STEPS decode steps, nothing passes it until it is in (running requests free their slots)."""
+        if not self._can_ever_take(head):
+            return False  # it will be refused or served natively: nobody should wait for it
+        if waited_steps >= SLOT_WAIT_STEPS:
+            return True
+        return self._would_write_slots(sets)
+
+    def _would_write_slots(self, sets: Sequence[AdapterSet]) -> bool:
         """Would admitting these sets write at least one slot (take a slot no one holds for them)?"""
         uniq = self._unique(sets)
         return uniq is not None and any(self.slot_of(a) is None for a in uniq)
 
-    def can_ever_admit(self, sets: Sequence[AdapterSet]) -> bool:
+    def _can_ever_take(self, sets: Sequence[AdapterSet]) -> bool:
         """Banked sets that fit once every running request released its slots (pinned slots stay)."""
         uniq = self._unique(sets)
         if uniq is None:
@@ -553,4 +567,5 @@ def token_scales(bank: SlotBank, entries: Sequence[BatchEntry]) -> np.ndarray:
     return np.concatenate(rows) if rows else np.zeros((0, bank.K), np.float32)
 
 
-__all__ = ["Admission", "Mask", "MaskPlan", "SlotBank", "bank_info", "plan_ubatches", "token_scales"]
+__all__ = ["SLOT_WAIT_STEPS", "Admission", "Mask", "MaskPlan", "SlotBank", "bank_info", "plan_ubatches",
+           "token_scales"]

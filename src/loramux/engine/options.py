@@ -33,6 +33,8 @@ class EngineOptions:
     ("host:port", from `loramux rpc-worker`) that hold the base model's layers (see engine/rpc.py).
     score_rows: full-vocabulary logit rows one decode may compute for prompt scoring while no other request
     runs (a request that arrives meanwhile waits for that decode; see engine/scoring.py).
+    max_loaded: adapters llama.cpp holds at once (None: no bound); past it the least recently used one
+    that no request uses is evicted and loaded again when a request names it (engine/residency.py).
     """
 
     n_ctx: int = 4096
@@ -52,6 +54,7 @@ class EngineOptions:
     kv_type: str = "f16"
     rpc: tuple[str, ...] = ()
     score_rows: int = SCORE_ROWS
+    max_loaded: int | None = None
 
     def __post_init__(self) -> None:
         problems: list[tuple[str, str]] = []
@@ -66,6 +69,8 @@ class EngineOptions:
             problems.append(("slots", f"must be ≥ 0 (0 = no slot bank; got {self.slots})"))
         if self.adapter_cache_bytes < 0:
             problems.append(("adapter_cache_bytes", f"must be ≥ 0 (0 = no warm tier; got {self.adapter_cache_bytes})"))
+        if self.max_loaded is not None and self.max_loaded < 1:
+            problems.append(("max_loaded", f"must be ≥ 1, or None for no bound (got {self.max_loaded})"))
         if self.n_threads is not None and self.n_threads < 1:
             problems.append(("n_threads", f"must be ≥ 1, or None for all cores (got {self.n_threads})"))
         if self.bank_node_access not in BANK_NODE_ACCESS:

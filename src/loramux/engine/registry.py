@@ -1,4 +1,4 @@
-"""Which adapters are resident, which are active by default, and adapter sets with their fingerprints.
+"""Which adapters are loaded (by name), which are active by default, and adapter sets with their fingerprints.
 
 Every mutation is validate-then-commit: the new state is computed and checked completely before it
 replaces the old one, so a failed load or swap leaves the previous state serving. The registry is
@@ -67,7 +67,8 @@ def check_scale(name: str, scale: Any) -> float:
 
 
 class Registry:
-    """Resident adapters by name, and the default active set (ordered name → scale)."""
+    """Loaded adapters by name, and the default active set (ordered name → scale). What is loaded is
+    decided by the loaded tier (residency.py); the registry only names it."""
 
     def __init__(self) -> None:
         self.adapters: dict[str, LoRAAdapter] = {}
@@ -115,6 +116,22 @@ class Registry:
         return self.adapters.keys()
 
 
+def requested_names(loras: LoraArg, active: Mapping[str, float]) -> list[str]:
+    """The adapter names a per-call spec uses (None: the default active set), scale-0 entries left out.
+
+    Nothing is checked here (`Registry.adapter_set` does that): a bad entry is simply passed through."""
+    pairs = active.items() if loras is None else _pairs(loras)
+    out = []
+    for name, scale in pairs:
+        try:
+            if float(scale) == 0.0:
+                continue
+        except (TypeError, ValueError):
+            pass
+        out.append(name)
+    return out
+
+
 def _pairs(loras: Mapping[str, float] | Sequence[Any]) -> list[tuple[str, Any]]:
     if isinstance(loras, Mapping):
         return list(loras.items())
@@ -134,4 +151,4 @@ def _pairs(loras: Mapping[str, float] | Sequence[Any]) -> list[tuple[str, Any]]:
     return out
 
 
-__all__ = ["AdapterSet", "LoraArg", "Registry", "check_scale"]
+__all__ = ["AdapterSet", "LoraArg", "Registry", "check_scale", "requested_names"]

@@ -1,20 +1,24 @@
-"""Residency tiers for the slot bank: what makes a slot load cheap, and who prepares it ahead of time.
+"""Residency: the one owner of where an adapter lives, and of the one eviction policy every tier uses.
 
 An adapter a request names lives in one of these tiers (fastest first):
 
-- **hot**: a slot of the bank (`bank.py`): its factors are in the bank's tensors, a request on it
-  is admitted with no write at all;
+- **slot**: a slot of the bank (`bank.py`): its factors are in the bank's tensors, a request on it
+  is admitted with no write at all. Which slot a new adapter gets is `LruPolicy`'s choice among the
+  idle slots (empty ones first);
 - **warm**: its *slot blocks* in host RAM, in `WarmCache`: every target's A and alpha/rank-scaled B
   in the bank's dtype, already checked (finite, within the delta bound). Writing them into a slot
   is a plain copy into the bank's host memory, no parsing, no reading back, no checks;
-- **loaded**: registered with the engine (llama.cpp holds its tensors; the server's `--max-loaded`
-  bounds how many). Making it warm reads its live factors back and prepares the blocks;
-- **cold**: a file or the download cache; the server reloads it on demand (`server/pool.py`).
+- **loaded**: registered with the engine (llama.cpp holds its tensors), in `LoadedTier`, bounded by
+  `EngineOptions.max_loaded` (the server's `--max-loaded`). Making it warm reads its live factors back;
+- **cold**: evicted from the loaded tier; `LoadedTier` keeps its file and loads it again, on the engine
+  thread in the same step that queues the request naming it (so it is loaded *and in use* at once).
 
-The warm tier is an LRU bounded by bytes (`adapter_cache_bytes`, default `DEFAULT_CACHE_BYTES`); an
-entry is keyed by the adapter's identity and content version, so an in-place write (a new version)
-is never served from stale blocks. `Prefetcher` fills it off the engine thread for the adapters of
-queued requests, so their slot load at admission is only the copy. Both are thread-safe.
+Every tier evicts with `LruPolicy` (least recently used first, among what the tier says may go). The
+warm tier is bounded by bytes (`adapter_cache_bytes`, default `DEFAULT_CACHE_BYTES`); an entry is keyed
+by the adapter's identity and content version, so an in-place write (a new version) is never served
+from stale blocks. `Prefetcher` fills it off the engine thread for the adapters of queued requests, so
+their slot load at admission is only the copy. `WarmCache` and `Prefetcher` are thread-safe;
+`LoadedTier` runs on the engine thread (its `prepare` and read-only queries excepted).
 """
 
 from __future__ import annotations
@@ -22,22 +26,66 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections import OrderedDict, deque
+from collections.abc import Callable, Hashable, Iterable, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Generic, TypeVar
 
 import numpy as np
 
-from .. import _native as N
-from ..errors import ParameterError
-from .adapters import LoRAAdapter
-from .factor_stage import FactorTensors
+from ..errors import AdapterCapacityError, ParameterError
+from .adapters import CheckedAdapter, LoRAAdapter
+from .model import Model
 from .options import DEFAULT_ADAPTER_CACHE_BYTES
+from .registry import Registry
 
 log = logging.getLogger("loramux")
 
 DEFAULT_CACHE_BYTES = DEFAULT_ADAPTER_CACHE_BYTES  # ~65 rank-8 F32 adapters of Gemma 3 270M (7.6 MB each)
 PREFETCH_QUEUE_MAX = 256  # adapters waiting to be prepared; more are dropped (prepared at admission)
+K = TypeVar("K", bound=Hashable)
+T = TypeVar("T")
+
+
+class LruPolicy(Generic[K]):
+    """The eviction policy of every residency tier: the least recently used candidate goes first.
+
+    The loaded tier keys it by adapter name, the warm tier by adapter uid, the bank's slot choice by
+    slot index. What *may* go (not pinned, not in use, ...) is the tier's to say: it passes those
+    `candidates`; a key never touched counts as older than every touched one (first given first).
+    Not thread-safe: each tier uses it under its own lock or on its own thread.
+    """
+
+    def __init__(self) -> None:
+        self._order: OrderedDict[K, None] = OrderedDict()  # least recently used first
+
+    def touch(self, key: K) -> None:
+        """`key` was used now."""
+        self._order[key] = None
+        self._order.move_to_end(key)
+
+    def forget(self, key: K) -> None:
+        self._order.pop(key, None)
+
+    def victims(self, candidates: Iterable[K], n: int) -> list[K]:
+        """The `n` least recently used of `candidates` (fewer when there are fewer), oldest first."""
+        rank = {k: i for i, k in enumerate(self._order)}
+        return sorted(candidates, key=lambda k: rank.get(k, -1))[:max(n, 0)]
+
+    def victim(self, candidates: Iterable[K]) -> K | None:
+        """The least recently used of `candidates`, or None when there is none."""
+        got = self.victims(candidates, 1)
+        return got[0] if got else None
+
+    def oldest(self) -> K | None:
+        """The least recently used key of all."""
+        return next(iter(self._order), None)
+
+    def order(self) -> list[K]:
+        """Every key, least recently used first."""
+        return list(self._order)
 
 
 @dataclass(frozen=True)
@@ -70,7 +118,8 @@ class WarmCache:
             raise ParameterError("adapter_cache_bytes", f"must be ≥ 0 (0 = no warm tier; got {max_bytes})")
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
-        self._entries: OrderedDict[int, SlotBlocks] = OrderedDict()  # uid -> blocks, least recent first
+        self._entries: dict[int, SlotBlocks] = {}  # uid -> blocks
+        self._lru: LruPolicy[int] = LruPolicy()
         self.bytes = 0
         self.stats = {"hits": 0, "misses": 0, "evictions": 0, "too_large": 0}
 
@@ -81,7 +130,7 @@ class WarmCache:
             if e is None or e.version != adapter.version:
                 self.stats["misses"] += 1
                 return None
-            self._entries.move_to_end(adapter.uid)
+            self._lru.touch(adapter.uid)
             self.stats["hits"] += 1
             return e
 
@@ -95,34 +144,37 @@ class WarmCache:
         """Keep `blocks` (replacing older versions of the adapter), evicting least recently used ones."""
         n = blocks.nbytes
         with self._lock:
-            old = self._entries.pop(blocks.uid, None)
-            if old is not None:
-                self.bytes -= old.nbytes
-                if old.version > blocks.version:  # a prefetch finished after a newer write: keep the newer
-                    self._entries[old.uid] = old
-                    self.bytes += old.nbytes
-                    return
+            old = self._entries.get(blocks.uid)
+            if old is not None and old.version > blocks.version:  # a prefetch finished after a newer write
+                return
+            self._drop(blocks.uid)
             if n > self.max_bytes:
                 self.stats["too_large"] += int(self.max_bytes > 0)
                 return
             while self._entries and self.bytes + n > self.max_bytes:
-                _, victim = self._entries.popitem(last=False)
-                self.bytes -= victim.nbytes
+                victim = self._lru.oldest()
+                assert victim is not None
+                self._drop(victim)
                 self.stats["evictions"] += 1
             self._entries[blocks.uid] = blocks
+            self._lru.touch(blocks.uid)
             self.bytes += n
+
+    def _drop(self, uid: int) -> None:
+        e = self._entries.pop(uid, None)
+        self._lru.forget(uid)
+        if e is not None:
+            self.bytes -= e.nbytes
 
     def discard(self, adapter: LoRAAdapter) -> None:
         """Forget an adapter (unloaded or replaced)."""
         with self._lock:
-            e = self._entries.pop(adapter.uid, None)
-            if e is not None:
-                self.bytes -= e.nbytes
+            self._drop(adapter.uid)
 
     def names(self) -> list[str]:
         """Warm adapters, least recently used first."""
         with self._lock:
-            return [e.name for e in self._entries.values()]
+            return [self._entries[uid].name for uid in self._lru.order()]
 
     def __len__(self) -> int:
         with self._lock:
@@ -208,91 +260,250 @@ class Prefetcher:
         thread.join(timeout)
 
 
-class SlotMemory:
-    """The bank's slots as memory to copy slot blocks into (engine thread only).
+@dataclass(frozen=True)
+class ColdAdapter:
+    """An adapter the loaded tier evicted: what loading it again takes."""
 
-    The bank's A (width, in) and B (out, width) of each target; slot k is rows [k·r, k·r + r) of A and
-    the same columns of B. On host memory (the CPU backend) blocks are copied in with numpy, and only
-    the ranks that change: the block's, and zeros where the previous occupant was wider there. B's
-    column block is copied as one item of r_t values per output row (about 3× faster than a strided
-    float copy). Elsewhere (a device buffer) the whole slot, padded with zeros, in two transfers.
+    name: str
+    path: Path  # the local file it was loaded from (a download: its cached copy)
+    source: str
+
+
+@dataclass
+class _Waiting:
+    """A request's submit waiting for room in the loaded tier."""
+
+    names: list[str]
+    build: Callable[[], object]
+    future: Future[object]
+
+
+class LoadedTier:
+    """The loaded tier: the adapters llama.cpp holds, at most `max_loaded` (None: no bound). Engine thread.
+
+    `enter(names, build, future)` makes a request's adapters loaded *and in use* in one step: the evicted
+    ones it names are loaded again (their files parsed beforehand, off the engine thread, by `prepare`),
+    the least recently used adapters nothing uses make room, and `build()` queues the request, all in one
+    engine-thread command, so no other load can come between this request's residency and its use.
+    In use means a request waiting or running on it (`users`). Never evicted: pinned adapters, the
+    default active set, adapters in use or written in place, and the request's own. When no room can be made now, the
+    submit waits here, in order, until requests finish (`settle`, after every step); a set that can never
+    fit (pinned and active adapters fill the bound) is refused with AdapterCapacityError. An explicit load
+    (`loaded`) never waits: it evicts what it can, and else leaves the tier over its bound until the
+    adapters in use are free.
     """
 
-    def __init__(self, facs: Mapping[str, FactorTensors], targets: Sequence[str], slots: int, rank: int,
-                 store: type[np.floating]) -> None:
-        self.facs, self.targets, self.K, self.r = facs, list(targets), slots, rank
-        self.width = slots * rank
-        self.store = np.dtype(store)
-        self.ranks: list[dict[str, int]] = [{} for _ in range(slots)]  # ranks that may be nonzero
-        self._host = self._host_views()
-        self._views: dict[tuple[str, int, int], tuple[np.ndarray, np.ndarray]] = {}  # ≤ targets × K × r
+    def __init__(self, model: Model, registry: Registry, max_loaded: int | None, *,
+                 users: Callable[[LoRAAdapter], int], load: Callable[[CheckedAdapter, ColdAdapter], LoRAAdapter],
+                 unload: Callable[[str], None]) -> None:
+        """`load(checked, cold)` registers a parsed file again (engine thread); `unload(name)` takes an
+        adapter out of the registry (it is freed once nothing uses it)."""
+        if max_loaded is not None and max_loaded < 1:
+            raise ParameterError("max_loaded", f"must be ≥ 1, or None for no bound (got {max_loaded})")
+        self.model, self.registry, self.max_loaded = model, registry, max_loaded
+        self._users, self._load, self._unload = users, load, unload
+        self.lru: LruPolicy[str] = LruPolicy()
+        self.pinned: set[str] = set()  # set from any thread (one set operation each)
+        self.cold: dict[str, ColdAdapter] = {}
+        self._prepared: dict[str, CheckedAdapter] = {}  # parsed cold files, at most one per name
+        self.waiting: deque[_Waiting] = deque()
+        # peak: the most adapters loaded at once (past max_loaded only by explicit loads while all are in use)
+        self.stats = {"reloads": 0, "evictions": 0, "waited": 0, "parsed_on_engine_thread": 0, "peak": 0}
 
-    def _host_views(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-        views = {}
-        es = self.store.itemsize
-        for t in self.targets:
-            f = self.facs[t]
-            pa, pb = N.tensor_host_address(f.a), N.tensor_host_address(f.b)
-            if pa is None or pb is None:
-                continue
-            n_in, n_out = f.a_shape[1], f.b_shape[0]
-            views[t] = (N.host_bytes(pa[0], self.width * n_in * es).view(self.store).reshape(self.width, n_in),
-                        N.host_bytes(pb[0], n_out * self.width * es).view(self.store).reshape(n_out, self.width))
-        return views
+    # -- queries (any thread) ----------------------------------------------------------------------
+    def needs_load(self, names: Iterable[str]) -> bool:
+        """Does any of `names` have to be loaded again (evicted)?"""
+        return any(n in self.cold for n in names)
 
-    def _slot_views(self, t: str, k: int, rt: int) -> tuple[np.ndarray, np.ndarray]:
-        key = (t, k, rt)
-        got = self._views.get(key)
-        if got is None:
-            va, vb = self._host[t]
-            r0, es = k * self.r, self.store.itemsize
-            row = vb.view(np.uint8)[:, r0 * es:(r0 + rt) * es]
-            got = self._views[key] = (va[r0:r0 + rt], row.view(np.dtype((np.void, rt * es))))
-        return got
+    def is_loaded(self, name: str) -> bool:
+        return name in self.registry.adapters
 
-    def put(self, k: int, t: str, block: tuple[np.ndarray, np.ndarray] | None) -> None:
-        """Slot k of target t := block (A (r_t, in), B (out, r_t) in the bank's dtype; None: zeros)."""
-        old, r0 = self.ranks[k].get(t, 0), k * self.r
-        rt = 0 if block is None else block[0].shape[0]
-        if rt == 0 and old == 0:
+    def users(self, name: str) -> int:
+        """Requests waiting or running on the loaded adapter `name` (0 when it is not loaded)."""
+        a = self.registry.adapters.get(name)
+        return 0 if a is None else self._users(a)
+
+    def prepare(self, names: Iterable[str]) -> dict[str, CheckedAdapter]:
+        """Parse and check the files of the evicted adapters among `names`, here (not on the engine thread)."""
+        out: dict[str, CheckedAdapter] = {}
+        for n in dict.fromkeys(names):
+            cold = self.cold.get(n)
+            if cold is not None and n not in self._prepared:
+                out[n] = CheckedAdapter(self.model, cold.path)
+        return out
+
+    # -- the engine thread -------------------------------------------------------------------------
+    def enter(self, names: list[str], prepared: Mapping[str, CheckedAdapter], build: Callable[[], T],
+              future: Future[T], *, wait: bool = True) -> None:
+        """Make `names` loaded and run `build()` (which puts them in use) in this one step, its result
+        (or error) into `future`; or, if no room can be made now, wait (`wait=False`: raise
+        AdapterCapacityError instead). Loads wait behind loads: first come, first loaded."""
+        self._keep(prepared)
+        item = _Waiting(list(names), build, future)  # type: ignore[arg-type]
+        if self.waiting and self.needs_load(names) and wait:
+            self.waiting.append(item)
             return
-        self.ranks[k][t] = self.r  # unknown until the copy is complete (a failed write zeroes all)
-        views = self._host.get(t)
-        if views is not None:
-            va, vb = views
-            if block is not None and rt:
-                sa, sb = self._slot_views(t, k, rt)
-                np.copyto(sa, block[0])
-                np.copyto(sb, block[1].view(sb.dtype))
-            if old > rt:
-                va[r0 + rt:r0 + old] = 0
-                vb[:, r0 + rt:r0 + old] = 0
-        else:
-            f = self.facs[t]
-            a = np.zeros((self.r, f.a_shape[1]), self.store)
-            b = np.zeros((f.b_shape[0], self.r), self.store)
-            if block is not None and rt:
-                a[:rt], b[:, :rt] = block
-            es = self.store.itemsize
-            N.tensor_set(f.a, a, offset=r0 * a.shape[1] * es)
-            N.tensor_set_2d(f.b, b, offset=r0 * es, row_bytes=self.r * es, n_rows=b.shape[0],
-                            stride_tensor=self.width * es)
-        if rt:
-            self.ranks[k][t] = rt
-        else:
-            self.ranks[k].pop(t, None)
+        if not self._run(item):
+            if not wait:
+                raise AdapterCapacityError(self._cold_of(names), self.max_loaded or 0,
+                                           kept=self._protected(set(names)))
+            self.waiting.append(item)
+            self.stats["waited"] += 1
 
-    def clear(self, k: int) -> None:
-        """Zero slot k everywhere (best effort: a target that fails stays marked possibly nonzero)."""
-        self.ranks[k] = {t: self.r for t in self.targets}
-        for t in self.targets:
-            try:
-                self.put(k, t, None)
-            except Exception:  # noqa: BLE001 - the slot stays marked empty: its rows are never selected
-                pass
+    def use_now(self, names: list[str]) -> None:
+        """Make `names` loaded for work that runs now, on the engine thread (an evaluation): evicted ones are
+        loaded again; AdapterCapacityError when no room can be made at once."""
+        if not self._make_resident(names):
+            raise AdapterCapacityError(self._cold_of(names), self.max_loaded or 0, kept=self._protected(set(names)))
 
-    def close(self) -> None:
-        self._host, self._views = {}, {}
+    def loaded(self, adapter: LoRAAdapter, pin: bool = False) -> None:
+        """An explicit load (or replacement) committed `adapter`: count it used, evict past the bound."""
+        self.cold.pop(adapter.name, None)
+        self._drop_prepared(adapter.name)
+        if pin:
+            self.pinned.add(adapter.name)
+        self.lru.touch(adapter.name)
+        self._trim(keep={adapter.name})
+        self.stats["peak"] = max(self.stats["peak"], len(self.registry.adapters))
+
+    def check_room(self, name: str) -> None:
+        """Refuse an explicit load of `name` when the bound is full of adapters that may never be evicted."""
+        loaded = self.registry.adapters
+        if self.max_loaded is None or name in loaded or len(loaded) < self.max_loaded:
+            return
+        kept = [n for n, a in loaded.items() if n in self.pinned or self._active(n) or a.version > 0]
+        if len(kept) >= self.max_loaded:
+            raise AdapterCapacityError([name], self.max_loaded, kept)
+
+    def forget(self, name: str) -> None:
+        """An adapter was unloaded on purpose: nothing of it stays (not even cold)."""
+        self.cold.pop(name, None)
+        self.pinned.discard(name)
+        self.lru.forget(name)
+        self._drop_prepared(name)
+
+    def settle(self) -> None:
+        """After requests finished: evict past the bound what is free now, then let waiting submits in."""
+        if self.max_loaded is not None and len(self.registry.adapters) > self.max_loaded:
+            self._trim(keep=set())
+        if not self.waiting:
+            return
+        still: deque[_Waiting] = deque()
+        for w in self.waiting:  # loads in order: once one finds no room, later loads wait without looking
+            if (still and self.needs_load(w.names)) or not self._run(w):
+                still.append(w)
+        self.waiting = still
+
+    def close(self, error: Exception) -> None:
+        """Fail the submits still waiting with `error` and drop the parsed files."""
+        for w in self.waiting:
+            if w.future.set_running_or_notify_cancel():
+                w.future.set_exception(error)
+        self.waiting.clear()
+        for n in list(self._prepared):
+            self._drop_prepared(n)
+
+    # -- inside ------------------------------------------------------------------------------------
+    def _run(self, item: _Waiting) -> bool:
+        """True when `item` is done (queued, failed or cancelled); False: no room for it yet."""
+        if item.future.cancelled():
+            return True
+        try:
+            if not self._make_resident(item.names):
+                return False
+            result = item.build()
+        except BaseException as e:  # noqa: BLE001 - handed to the submitter
+            if item.future.set_running_or_notify_cancel():
+                item.future.set_exception(e)
+            return True
+        if item.future.set_running_or_notify_cancel():
+            item.future.set_result(result)
+        return True
+
+    def _make_resident(self, names: list[str]) -> bool:
+        loaded = self.registry.adapters
+        for n in names:
+            if n in loaded:
+                self.lru.touch(n)
+        cold = self._cold_of(names)
+        if not cold:
+            return True
+        if self.max_loaded is not None:
+            want = set(names)
+            kept = self._protected(want, in_use=False)
+            if len(kept) + len([n for n in want if n in loaded or n in self.cold]) > self.max_loaded:
+                raise AdapterCapacityError(cold, self.max_loaded, kept)
+            need = len(loaded) + len(cold) - self.max_loaded
+            cands = self._evictable(want)
+            if len(cands) < need:
+                return False
+            for victim in self.lru.victims(cands, need):
+                self._evict(victim)
+        for n in cold:
+            self._reload(n)
+        return True
+
+    def _cold_of(self, names: Iterable[str]) -> list[str]:
+        loaded = self.registry.adapters
+        return [n for n in dict.fromkeys(names) if n not in loaded and n in self.cold]
+
+    def _protected(self, keep: set[str], in_use: bool = True) -> list[str]:
+        """Loaded adapters outside `keep` that may not be evicted now (in_use=False: never). Written in place
+        (version > 0) counts as never: its factors are not its file's any more, a reload would lose them."""
+        return [n for n, a in self.registry.adapters.items() if n not in keep and
+                (n in self.pinned or self._active(n) or a.version > 0 or (in_use and self._users(a) > 0))]
+
+    def _active(self, name: str) -> bool:
+        """In the default set at a nonzero scale (every request without its own set uses it)."""
+        return self.registry.active.get(name, 0.0) != 0.0
+
+    def _evictable(self, keep: set[str]) -> list[str]:
+        protected = set(self._protected(keep))
+        return [n for n in self.registry.adapters if n not in keep and n not in protected]
+
+    def _trim(self, keep: set[str]) -> None:
+        if self.max_loaded is None:
+            return
+        over = len(self.registry.adapters) - self.max_loaded
+        if over > 0:
+            for victim in self.lru.victims(self._evictable(keep), over):
+                self._evict(victim)
+
+    def _evict(self, name: str) -> None:
+        a = self.registry.adapters[name]
+        self.cold[name] = ColdAdapter(name, Path(a.path), str(a.source))
+        self.lru.forget(name)
+        self._unload(name)
+        self.stats["evictions"] += 1
+        log.info("evicting adapter %s (least recently used, max_loaded=%s)", name, self.max_loaded)
+
+    def _reload(self, name: str) -> None:
+        cold = self.cold[name]
+        checked = self._prepared.pop(name, None)
+        if checked is None:  # evicted after its submit looked: parse it here, rarely
+            self.stats["parsed_on_engine_thread"] += 1
+            checked = CheckedAdapter(self.model, cold.path)
+        try:
+            self._load(checked, cold)
+        finally:
+            checked.close()
+        del self.cold[name]
+        self.lru.touch(name)
+        self.stats["reloads"] += 1
+        self.stats["peak"] = max(self.stats["peak"], len(self.registry.adapters))
+
+    def _keep(self, prepared: Mapping[str, CheckedAdapter]) -> None:
+        for n, c in prepared.items():
+            if n in self.cold and n not in self._prepared:
+                self._prepared[n] = c
+            else:
+                c.close()
+
+    def _drop_prepared(self, name: str) -> None:
+        c = self._prepared.pop(name, None)
+        if c is not None:
+            c.close()
 
 
-__all__ = ["DEFAULT_CACHE_BYTES", "PREFETCH_QUEUE_MAX", "Prefetcher", "SlotBlocks", "SlotMemory", "WarmCache"]
+__all__ = ["DEFAULT_CACHE_BYTES", "PREFETCH_QUEUE_MAX", "ColdAdapter", "LoadedTier", "LruPolicy", "Prefetcher", "SlotBlocks",
+           "WarmCache"]

@@ -34,7 +34,8 @@ from .kv_guard import KvGuard
 from .model import Context, ContextOptions, Model, default_threads
 from .options import EngineOptions
 from .phases import alora_phases
-from .registry import AdapterSet, LoraArg, Registry, check_scale
+from .registry import AdapterSet, LoraArg, Registry, check_scale, requested_names
+from .residency import LoadedTier
 from .sampling import Completion, SamplingParams
 from .scheduler import Request, RequestInput, Scheduler
 from .scoring import Scoring, TokenLogprob, score_many
@@ -83,6 +84,10 @@ class Engine:
         guard = KvGuard(model, self.bank.callback if self.bank else None, opts.kv_type)
         self.scheduler = Scheduler(model, self.ctx, n_parallel, self.bank, opts.deterministic, guard,
                                    score_rows=opts.score_rows)
+        # the loaded tier: which adapters llama.cpp holds, at most max_loaded (residency.py)
+        self.loaded = LoadedTier(model, self.registry, opts.max_loaded, users=self.scheduler.users,
+                                 load=lambda checked, cold: self._register(checked, cold.name, cold.source),
+                                 unload=self._retire)
         self._eval_ctx: Context | None = None
         self._eval_risky = False  # the evaluation context last ran a risky adapter set (kv_guard.py)
         self.control: ControlSetting | None = None  # default control-vector setting (see control.py)
@@ -162,6 +167,7 @@ class Engine:
         while True:
             with self._busy:
                 self._run_commands()
+                self.loaded.settle()
                 if self.pushes.pending:
                     self.pushes.service(self.scheduler)
             if self._closed:
@@ -174,6 +180,7 @@ class Engine:
                         log.exception("scheduler step failed")
                         self.scheduler.fail_all(e)
                     self._free_retired()
+                    self.loaded.settle()  # requests finished: evict past max_loaded, let waiting submits in
             else:
                 self._wake.wait(0.5)
                 self._wake.clear()
@@ -199,6 +206,7 @@ class Engine:
         self._closed = True
         self.scheduler.fail_all(self.lost)
         self._drain_commands(self.lost)
+        self.loaded.close(self.lost)
 
     @property
     def closed(self) -> bool:
@@ -275,11 +283,14 @@ class Engine:
 
     # ------------------------------------------------------------------ adapters
     def load_lora(self, source: str | os.PathLike[str], name: str | None = None, *,
-                  scale: float | None = None, **source_options: Any) -> LoRAAdapter:
+                  scale: float | None = None, pin: bool = False, **source_options: Any) -> LoRAAdapter:
         """Load (or replace) an adapter by source; activate it with `scale` unless scale is None.
 
         Validation, download and tensor discovery happen before anything changes: on any error the
-        previous adapter of that name (and the active set) keep serving.
+        previous adapter of that name (and the active set) keep serving. Under `max_loaded` the least
+        recently used adapters nothing uses are evicted (reloaded when a request names them again);
+        `pin=True` keeps this one loaded for good (AdapterCapacityError when pinned and active adapters
+        fill the bound).
         """
         src = os.fspath(source)
         name = name or adapter_name(src)
@@ -300,20 +311,32 @@ class Engine:
             raise
 
         def commit() -> LoRAAdapter:
-            try:
-                adapter = LoRAAdapter(self.model, checked, name, self.call_between_decodes, source=src)
-            except AdapterError as e:
-                e.name = name
-                raise
-            old = self.registry.commit_add(adapter, scale)
-            if old is not None:
-                self._retired.append(old)
-                self._free_retired()
+            self.loaded.check_room(name)
+            adapter = self._register(checked, name, src, scale)
+            self.loaded.loaded(adapter, pin)
             return adapter
         try:
             return self.call(commit)
         finally:
             checked.close()  # already closed by the load; this covers a commit that never ran
+
+    def _register(self, checked: CheckedAdapter, name: str, source: str, scale: float | None = None) -> LoRAAdapter:
+        """Load a checked file into llama.cpp and publish it under `name` (engine thread)."""
+        try:
+            adapter = LoRAAdapter(self.model, checked, name, self.call_between_decodes, source=source)
+        except AdapterError as e:
+            e.name = name
+            raise
+        old = self.registry.commit_add(adapter, scale)
+        if old is not None:
+            self._retired.append(old)
+            self._free_retired()
+        return adapter
+
+    def _retire(self, name: str) -> None:
+        """Take an adapter out of the registry; it is freed once no request uses it (engine thread)."""
+        self._retired.append(self.registry.remove(name))
+        self._free_retired()
 
     def set_lora(self, source: str | os.PathLike[str], scale: float = 1.0, name: str | None = None,
                  **source_options: Any) -> LoRAAdapter:
@@ -323,6 +346,13 @@ class Engine:
         """
         src = os.fspath(source)
         key = name or src
+        cold = self.loaded.cold.get(key)
+        if cold is not None and (name is None or src in (name, cold.source)):  # evicted: loaded again, at once
+            def reload() -> LoRAAdapter:
+                self.loaded.use_now([key])
+                self.registry.set_scale(key, scale)
+                return self.registry.get(key)
+            return self.call(reload)
         if key in self.registry.adapters and (name is None or src in (name, str(self.registry.adapters[name].source))):
             self.call(lambda: self.registry.set_scale(key, scale))
             return self.registry.adapters[key]
@@ -331,13 +361,18 @@ class Engine:
     def remove_lora(self, name: str) -> None:
         """Deactivate and unload one adapter (requests already running with it finish first)."""
         def rm() -> None:
-            self._retired.append(self.registry.remove(name))
-            self._free_retired()
+            known = name in self.loaded.cold
+            self.loaded.forget(name)
+            if known and name not in self.registry.adapters:
+                return  # evicted: only its record goes
+            self._retire(name)
         self.call(rm)
 
     def clear_loras(self) -> None:
         """Deactivate and unload every adapter."""
         def clear() -> None:
+            for n in list(self.registry.names()) + list(self.loaded.cold):
+                self.loaded.forget(n)
             for n in list(self.registry.names()):
                 self._retired.append(self.registry.remove(n))
             self._free_retired()
@@ -425,6 +460,7 @@ class Engine:
                stop_tokens: Collection[int] = (), versions: Mapping[str, int] | None = None,
                **sampling: Any) -> Request:
         """Queue a generation; events arrive on `request.events` (and `on_event`, on the engine thread).
+        Blocks while its adapters wait for room under `max_loaded` (see `submit_async`).
 
         `share`: an earlier request on the same prompt and adapters whose prompt KV this one reuses (n > 1).
         `grammar` constrains the output (see `loramux.engine.grammar`: JSON schemas, regexes, choices, GBNF);
@@ -433,6 +469,20 @@ class Engine:
         that end the output as an end-of-generation token does (left out of it; ignore_eos does not apply).
         `versions`: adapter name → the content version this request must run on (AdapterVersionError if
         that is not the version it would get: the adapter moved on)."""
+        return self.submit_async(prompt, loras=loras, control=control, on_event=on_event, share=share,
+                                 grammar=grammar, shown=shown, stop_tokens=stop_tokens, versions=versions,
+                                 **sampling).result()
+
+    def submit_async(self, prompt: str | Sequence[int], *, loras: LoraArg = None,
+                     control: ControlArg = Inherit.ENGINE, on_event: Callable[[str, Any], None] | None = None,
+                     share: Request | None = None, grammar: Grammar | ActiveGrammar | None = None,
+                     shown: Collection[int] = (), stop_tokens: Collection[int] = (),
+                     versions: Mapping[str, int] | None = None, **sampling: Any) -> Future[Request]:
+        """`submit`, returning at once a Future of the queued Request. Its adapters become loaded and in use
+        in one engine-thread step (residency.LoadedTier): an evicted one is parsed again here, on the
+        caller's thread, and loaded there; while no room can be made under `max_loaded` the Future waits
+        (cancelling it withdraws the request). On the engine thread itself it never waits:
+        AdapterCapacityError instead."""
         params = SamplingParams(**sampling).validate()
         if isinstance(grammar, Grammar):
             grammar = grammar.compile(self.model)
@@ -457,7 +507,21 @@ class Engine:
             else:
                 self.scheduler.submit(req)
             return req
-        return self.call(build)
+
+        names = requested_names(loras, self.registry.active)
+        fut: Future[Request] = Future()
+        if threading.current_thread() is self._thread:
+            self.loaded.enter(names, {}, build, fut, wait=False)
+            return fut
+        prepared = self.loaded.prepare(names)  # parsing stays off the engine thread
+        try:
+            cmd = self.call_async(lambda: self.loaded.enter(names, prepared, build, fut))
+        except BaseException:
+            for c in prepared.values():
+                c.close()
+            raise
+        cmd.add_done_callback(lambda f: _pass_failure(f, fut))
+        return fut
 
     def generate(self, prompt: str | Sequence[int], *, loras: LoraArg = None, **sampling: Any) -> Completion:
         """Generate a completion. `loras` (name → scale) overrides the default set for this call only."""
@@ -555,6 +619,7 @@ class Engine:
 
     def _prepare_eval(self, loras: LoraArg, control: ControlArg) -> Context:
         ctx = self._eval()
+        self.loaded.use_now(requested_names(loras, self.registry.active))  # evicted ones loaded again
         aset: AdapterSet = self.registry.adapter_set(loras)
         if self._eval_risky:  # the last evaluation's cells may hold out-of-range K/V: zero the data
             ctx.clear()
@@ -587,6 +652,7 @@ class Engine:
             self._thread.join()
         self._closed = True
         self._drain_commands(EngineClosedError("the engine was closed"))
+        self.loaded.close(EngineClosedError("the engine was closed"))
         for c in (self.ctx, self._eval_ctx):
             if c is not None:
                 c.close()
@@ -628,6 +694,14 @@ def _check_versions(asked: Mapping[str, int] | None, runs_on: Mapping[str, int])
             raise ParameterError("model", f"a version of {name!r} was asked for, but the request does not use it")
         if runs_on[name] != v:
             raise AdapterVersionError(name, v, runs_on[name])
+
+
+def _pass_failure(cmd: Future[Any], fut: Future[Any]) -> None:
+    """A command that never ran (the engine closed) fails the Future it was to answer."""
+    err = None if cmd.cancelled() else cmd.exception()
+    if err is not None and not fut.done():
+        with contextlib.suppress(Exception):
+            fut.set_exception(err)
 
 
 def _resolve(src: str, **options: Any) -> Path:

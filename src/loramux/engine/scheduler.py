@@ -35,7 +35,6 @@ log = logging.getLogger("loramux")
 
 _ids = itertools.count(1)
 GROUP_RUN_STEPS = 8  # steps a group keeps the context before another waiting group gets it
-SLOT_WAIT_STEPS = 32  # decode steps a request may wait for bank slots before no later request passes it
 SLOT_WAITS_KEPT = 4096  # recent slot waits kept for the p50/p99 figures
 
 
@@ -153,6 +152,11 @@ class Scheduler:
 
     def uses(self, adapter: Any) -> bool:
         return any(a is adapter for r in self.waiting + self.running for ph in r.phases for a, _ in ph.adapters.items)
+
+    def users(self, adapter: Any) -> int:
+        """Requests waiting or running on `adapter` (any thread: it reads copies, so it may be a step old)."""
+        return sum(any(a is adapter for ph in r.phases for a, _ in ph.adapters.items)
+                   for r in list(self.waiting) + self.running)
 
     def submit(self, req: Request) -> None:
         """Queue a request; a risky adapter set this engine cannot guard is refused here (ScaleError)."""
@@ -320,7 +324,7 @@ class Scheduler:
         """Let the bank admit the request (banked with its slots, or native); False: wait for slots."""
         if self.bank is None:
             return True
-        adm = self.bank.admit([ph.adapters for ph in r.phases])
+        adm = self.bank.take_slots([ph.adapters for ph in r.phases])
         if adm is None:
             return False
         for i, ph in enumerate(r.phases):
@@ -330,18 +334,12 @@ class Scheduler:
         return True
 
     def _held_back(self, head: Request, r: Request) -> bool:
-        """No adapter starves: behind a request that waits for bank slots, a later request may not take
-        an idle slot (it could be the one the head needs); once the head waited SLOT_WAIT_STEPS decode
-        steps, nothing passes it until it is in (running requests finish and free their slots)."""
+        """May `r` not pass `head`, which waits for bank slots? The bank decides (`SlotBank.holds_back`)."""
         if self.bank is None:
             return False
-        sets = [ph.adapters for ph in head.phases]
-        if not self.bank.can_ever_admit(sets):
-            return False  # it will be refused or served natively: nobody should wait for it
         assert head.blocked_step is not None
-        if self.stats.decode_steps - head.blocked_step >= SLOT_WAIT_STEPS:
-            return True
-        return self.bank.takes_new_slots([ph.adapters for ph in r.phases])
+        return self.bank.holds_back([ph.adapters for ph in head.phases], self.stats.decode_steps - head.blocked_step,
+                                    [ph.adapters for ph in r.phases])
 
     def slot_wait_quantiles(self) -> SlotWaits:
         """p50 / p99 / max seconds that recent banked requests waited for bank slots (0 when not at all)."""
@@ -566,7 +564,7 @@ class Scheduler:
             r.grammar.close()
         if self.bank is not None:
             for k in r.slots:
-                self.bank.release(k)
+                self.bank.return_slot(k)
             r.slots = []
         if error is not None:
             r.emit("error", error)

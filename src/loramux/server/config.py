@@ -286,7 +286,7 @@ class ServerSettings:
                              slots=slots if self.slots is None else self.slots,
                              slot_rank=rank if self.slot_rank is None else self.slot_rank,
                              adapter_cache_bytes=self.adapter_cache_bytes, deterministic=self.deterministic,
-                             rpc=self.rpc, score_rows=self.score_rows)
+                             rpc=self.rpc, score_rows=self.score_rows, max_loaded=self.max_loaded)
 
     def start_ranks(self) -> list[int]:
         """Largest rank of each start adapter that is a readable local file (its header only)."""

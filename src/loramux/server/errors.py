@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import (
+    AdapterCapacityError,
     AdapterError,
     AdapterNotFoundError,
     AdapterVersionError,
@@ -102,6 +103,8 @@ def from_exception(exc: BaseException) -> APIError:
         return APIError(400, "the body is nested too deeply", code="invalid_request")
     if isinstance(exc, AdapterNotFoundError):
         return APIError(404, str(exc), code="adapter_not_found", param="lora")
+    if isinstance(exc, AdapterCapacityError):
+        return APIError(503, str(exc), code=exc.code, headers={"Retry-After": "5"})
     if isinstance(exc, AdapterVersionError):
         return APIError(410, str(exc), code=exc.code, param="model")
     if isinstance(exc, FactorError):

@@ -15,6 +15,7 @@ import secrets
 import time
 import uuid
 from collections.abc import Awaitable, Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
@@ -58,7 +59,7 @@ class Job:
     tool_stream: ToolStream | None = None
 
     def finish(self, status: int, completion: Any = None, *, record: bool = True) -> None:
-        """Release the adapters and record metrics (unless the caller records the failure); idempotent."""
+        """Release its queue place and record metrics (unless the caller records the failure); idempotent."""
         if self.closed:
             return
         self.closed = True
@@ -66,7 +67,6 @@ class Job:
             self.request.cancelled.set()  # nobody reads it any more: free its sequence
         if self.ticket is not None:
             self.ticket.release()
-        self.state.pool.release(self.entries)
         if completion is not None:  # per adapter, also for the sequences of a group (recorded as one request)
             for e in self.entries:
                 self.state.metrics.adapter_tokens.labels(e.name).inc(len(completion.tokens))
@@ -199,15 +199,7 @@ async def submit_job(state: ServerState, body: CompletionRequest | ChatRequest, 
         await asyncio.to_thread(StopMatcher.prepare, sampling["stop"])  # not on the engine thread
     model = body.model or state.base_name
     loop = asyncio.get_running_loop()
-    for _ in range(8):  # another request's reload may evict ours between the two steps: try again
-        await state.pool.ensure_resident(loras)
-        entries = state.pool.acquire(loras)  # from here to call_async: no await (see pool.py)
-        if entries is not None:
-            break
-    else:
-        raise APIError(503, "the requested adapters keep being evicted by other requests' adapters "
-                            "(max_loaded too small for this traffic); retry or raise --max-loaded",
-                       code="adapter_capacity")
+    entries = [e for e in map(state.pool.entries.get, loras) if e is not None]  # per-adapter metrics
     job = Job(state, model, chat, body, tokens, entries, started, ticket, tools=plan,
               tool_stream=plan.stream() if plan is not None else None)
     if body.user or body.metadata:  # OpenAI's end-user id and tags: what they are for is the log
@@ -230,24 +222,36 @@ async def submit_job(state: ServerState, body: CompletionRequest | ChatRequest, 
         kwargs.update(plan.engine_args(lambda t: eng.tokenize(t, add_bos=False, special=True)))
     if control is not None:
         kwargs["control"] = control
-    try:
-        fut = eng.call_async(lambda: eng.submit(tokens, **kwargs))
-    except BaseException:
-        state.pool.release(entries)
-        raise
+    # The engine loads evicted adapters and queues the request in one step (engine/residency.py); only
+    # parsing an evicted adapter's file again is blocking work, done off the event loop.
+    if eng.loaded.needs_load(loras):
+        task = asyncio.ensure_future(asyncio.to_thread(lambda: eng.submit_async(tokens, **kwargs)))
+        try:
+            fut = await asyncio.shield(task)
+        except asyncio.CancelledError:  # the client left: withdraw the submit once it is made
+            task.add_done_callback(lambda t: t.cancelled() or t.exception() is not None or withdraw(t.result()))
+            raise
+    else:
+        fut = eng.submit_async(tokens, **kwargs)
     for name in loras:
         state.metrics.adapter_requests.labels(name).inc()
     try:
         job.request = await asyncio.shield(asyncio.wrap_future(fut))
         note({k: v for ph in job.request.phases for k, v in ph.adapters.versions.items()})
-    except asyncio.CancelledError:  # the client left while the submit was queued
-        fut.add_done_callback(lambda f: f.exception() is None and f.result().cancelled.set())
+    except asyncio.CancelledError:  # the client left while the submit was queued (or waited for room)
+        withdraw(fut)
         job.finish(499, record=False)  # the route records failures of start()
         raise
     except BaseException:
         job.finish(500, record=False)
         raise
     return job
+
+
+def withdraw(fut: Future[Any]) -> None:
+    """Nobody wants this submit any more: cancel it while it waits, or its request once it is queued."""
+    fut.cancel()
+    fut.add_done_callback(lambda f: f.cancelled() or f.exception() is not None or f.result().cancelled.set())
 
 
 async def wait_disconnect(request: HTTPRequest) -> None:
@@ -319,4 +323,4 @@ async def finished(owner: Finishes, work: Awaitable[T], http: HTTPRequest) -> T 
 
 
 __all__ = ["Finishes", "Job", "chat_prompt", "constraint", "counts_failure", "drain", "finished", "prompt_tokens",
-           "sampling_args", "start", "submit_job", "until_client_leaves", "wait_disconnect"]
+           "sampling_args", "start", "submit_job", "until_client_leaves", "wait_disconnect", "withdraw"]

@@ -1,14 +1,18 @@
-"""The server's adapter table: names, stable ids, default and global scales, residency (LRU), safety.
+"""The server's adapter table: names, stable ids, default and global scales, source policy and safety.
+
+Residency is not decided here: the engine's loaded tier (engine/residency.py, bounded by `--max-loaded`
+through `EngineOptions.max_loaded`) evicts the least recently used adapter no request uses and loads it
+again, in the same engine-thread step that queues a request naming it. So a request's adapters are
+loaded *and in use* at once, with no window for another request's load to evict them. An entry's
+`resident`, `pinned` and `inflight` are the tier's, read through it.
 
 Ordering is what keeps requests from ever seeing a half-loaded or vanished adapter:
 
 - the table changes only on the event loop, and a name enters it only after the engine finished
   loading (validate-then-commit) the adapter;
-- a request checks its adapters against the table and queues its submit to the engine thread in one
-  synchronous step, and an unload/eviction removes the name and queues the engine's removal in one
-  synchronous step; the engine runs commands in the order they were queued. So a request that saw
-  the adapter is admitted before the removal runs, and the engine keeps a removed adapter alive
-  (retired) until the requests using it finish; a request that comes later gets a 404.
+- an unload removes the name and queues the engine's removal in one synchronous step; the engine runs
+  commands in the order they were queued and keeps a removed adapter alive (retired) until the requests
+  using it finish; a request whose submit comes after the removal gets a 404.
 
 A remote source (http(s)://, hf://) is downloaded before the pool lock is taken, so a slow download never
 holds up other loads, unloads or reloads; loads of one source take turns (the second finds the file
@@ -24,13 +28,14 @@ import logging
 import math
 import os
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..engine.residency import LoadedTier
 from ..engine.runtime import Engine
-from ..errors import DownloadRefused, SourceError
+from ..errors import AdapterCapacityError, DownloadRefused, SourceError
 from ..sources import CancelToken, Source, SourceOptions, display, resolve
 from .config import NAME_RE, NAME_RULE, ServerSettings
 from .errors import APIError, model_not_found
@@ -42,7 +47,7 @@ MAX_SCALE = 1000.0
 
 @dataclass
 class Entry:
-    """One known adapter. `resident` is False after an LRU eviction (reloaded on the next request)."""
+    """One known adapter: the server's names, id, scales and source; its residency is the engine's tier."""
 
     name: str
     id: int
@@ -50,11 +55,30 @@ class Entry:
     path: str
     scale: float  # scale when a request names it (model=..., or lora entry without a scale)
     global_scale: float  # scale in the global set that base-model requests without `lora` get
-    pinned: bool
-    resident: bool = True
-    inflight: int = 0
-    last_used: float = field(default_factory=time.monotonic)
+    tier: LoadedTier = field(repr=False, compare=False)
     created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def resident(self) -> bool:
+        """Loaded now (False after an eviction: loaded again by the next request that names it)."""
+        return self.tier.is_loaded(self.name)
+
+    @property
+    def pinned(self) -> bool:
+        """Never evicted (loaded at start, pinned on load, or written to: its factors are not its file's)."""
+        return self.name in self.tier.pinned
+
+    @pinned.setter
+    def pinned(self, value: bool) -> None:
+        if value:
+            self.tier.pinned.add(self.name)
+        else:
+            self.tier.pinned.discard(self.name)
+
+    @property
+    def inflight(self) -> int:
+        """Requests waiting or running on it in the engine."""
+        return self.tier.users(self.name)
 
     def display_source(self, admin: bool = False) -> str:
         """The source as a client may see it: URLs without user:password and without their query (often a
@@ -76,7 +100,8 @@ class AdapterPool:
         self.entries: dict[str, Entry] = {}
         self._next_id = 0
         self._lock: asyncio.Lock | None = None
-        self.evictions = 0
+        if settings.max_loaded is not None:  # the server's bound is the engine's loaded tier's
+            engine.loaded.max_loaded = settings.max_loaded
         self.loads = {"ok": 0, "error": 0}
         self._fetch_locks: dict[str, asyncio.Lock] = {}
         self.fetching: dict[str, int] = {}  # remote source -> loads that want it (waiting or downloading)
@@ -102,8 +127,15 @@ class AdapterPool:
     def resident(self) -> list[Entry]:
         return [e for e in self.ordered() if e.resident]
 
+    @property
+    def evictions(self) -> int:
+        """Adapters the engine's loaded tier evicted (--max-loaded)."""
+        return self.engine.loaded.stats["evictions"]
+
     def _add(self, name: str, source: str, path: str, scale: float, global_scale: float, *, pinned: bool) -> Entry:
-        e = Entry(name, self._next_id, source, path, scale, global_scale, pinned)
+        e = Entry(name, self._next_id, source, path, scale, global_scale, self.engine.loaded)
+        if pinned:
+            e.pinned = True
         self._next_id += 1
         self.entries[name] = e
         return e
@@ -143,46 +175,11 @@ class AdapterPool:
             out[e.name] = s
         return {n: s for n, s in out.items() if s != 0.0}
 
-    # ------------------------------------------------------------------ use by requests
-    async def ensure_resident(self, names: Iterable[str]) -> None:
-        """Reload adapters an LRU eviction took out (one load at a time), never evicting one of `names`:
-        a set that cannot be resident at once under max_loaded is a 503, not a reload loop."""
-        names = list(names)
-        for n in names:
-            e = self.entries.get(n)
-            if e is None:
-                raise model_not_found(n, [self.base_name, *self.entries])
-            if not e.resident:
-                async with self.lock:
-                    if self.entries.get(n) is e and not e.resident:
-                        await self._reload(e, keep=set(names))
-
-    def acquire(self, names: Iterable[str]) -> list[Entry] | None:
-        """Mark the adapters in use if all are resident right now (synchronous: see the module doc)."""
-        es = []
-        for n in names:
-            e = self.entries.get(n)
-            if e is None:
-                raise model_not_found(n, [self.base_name, *self.entries])
-            es.append(e)
-        if not all(e.resident for e in es):
-            return None
-        now = time.monotonic()
-        for e in es:
-            e.inflight += 1
-            e.last_used = now
-        return es
-
-    @staticmethod
-    def release(entries: Iterable[Entry]) -> None:
-        for e in entries:
-            e.inflight = max(0, e.inflight - 1)
-
     # ------------------------------------------------------------------ load / unload
     async def load(self, name: str, source: str, *, scale: float = 1.0, replace: bool = False,
                    pinned: bool = False, cancel: CancelToken | None = None, written_here: bool = False) -> Entry:
         """Validate, download (a remote source, outside the pool lock), load and only then publish an
-        adapter; evict LRU adapters past max_loaded. `cancel` stops the download (the client left).
+        adapter (the engine evicts least recently used ones past max_loaded). `cancel` stops the download (the client left).
         `written_here`: a file the server wrote itself (a training job's result), not a client's path,
         so it is not held to --adapter-dir."""
         if not NAME_RE.match(name) or name == self.base_name:
@@ -200,21 +197,20 @@ class AdapterPool:
                 raise APIError(400, f"an adapter named {name!r} is already loaded; unload it first, or send "
                                     "\"replace\": true to swap it atomically", code="adapter_exists",
                                param="lora_name")
-            if old is None or not old.resident:
-                self._check_room(keep={name})
-            try:
-                adapter = await asyncio.to_thread(self.engine.load_lora, local, name)
+            try:  # the engine evicts past --max-loaded (engine/residency.py)
+                adapter = await asyncio.to_thread(self.engine.load_lora, local, name, pin=pinned)
+            except AdapterCapacityError as e:
+                self.loads["error"] += 1
+                raise APIError(503, f"no room for another resident adapter: {e}", code="adapter_capacity") from None
             except BaseException:
                 self.loads["error"] += 1
                 raise
             self.loads["ok"] += 1
             if old is not None and self.entries.get(name) is old:
-                old.source, old.path, old.scale, old.resident = source, str(adapter.path), scale, True
-                old.pinned = old.pinned or pinned
+                old.source, old.path, old.scale = source, str(adapter.path), scale
                 e = old
             else:
                 e = self._add(name, source, str(adapter.path), scale, 0.0, pinned=pinned)
-            await self._wait(self._make_room(keep={name}))
             return e
 
     async def unload(self, name: str, expect_id: int | None = None) -> Entry:
@@ -233,9 +229,7 @@ class AdapterPool:
                                     "loaded again since; GET /v1/models lists each adapter's lora_id",
                                code="adapter_id_mismatch", param="lora_int_id")
             del self.entries[name]
-            if e.resident:
-                e.resident = False
-                await asyncio.wrap_future(self._queue_removal(name))
+            await asyncio.wrap_future(self._queue_removal(name))  # loaded or evicted: the engine forgets it
             return e
 
     def set_global_scales(self, pairs: Sequence[tuple[int, float]]) -> None:
@@ -288,56 +282,12 @@ class AdapterPool:
             if _decrement(self.fetching, source) == 0:
                 self._fetch_locks.pop(source, None)
 
-    # ------------------------------------------------------------------ residency
+    # ------------------------------------------------------------------ removal
     def _queue_removal(self, name: str) -> Any:
         eng = self.engine
         fut = eng.call_async(lambda: eng.remove_lora(name))
         fut.add_done_callback(lambda f: f.exception() and log.warning("removing %s: %s", name, f.exception()))
         return fut
-
-    def _candidates(self, keep: set[str]) -> list[Entry]:
-        c = [e for e in self.entries.values() if e.resident and not e.pinned and e.name not in keep]
-        return sorted(c, key=lambda e: (e.inflight > 0, e.last_used))  # idle first, then least recent
-
-    def _check_room(self, keep: set[str]) -> None:
-        cap = self.settings.max_loaded
-        if cap is not None and len(self.resident()) >= cap and not self._candidates(keep):
-            raise APIError(503, f"no room for another resident adapter: max_loaded={cap} and every resident "
-                                "adapter is pinned or needed by this request; unload one or raise --max-loaded",
-                           code="adapter_capacity")
-
-    def _make_room(self, keep: set[str]) -> list[Any]:
-        """Evict least recently used unpinned adapters past max_loaded; returns the removals' futures."""
-        cap, futures = self.settings.max_loaded, []
-        while cap is not None and len(self.resident()) > cap:
-            cands = self._candidates(keep)
-            if not cands:
-                break
-            victim = cands[0]
-            victim.resident = False
-            self.evictions += 1
-            log.info("evicting adapter %s (least recently used, max_loaded=%d)", victim.name, cap)
-            futures.append(self._queue_removal(victim.name))
-        return futures
-
-    @staticmethod
-    async def _wait(futures: list[Any]) -> None:
-        for f in futures:
-            try:
-                await asyncio.wrap_future(f)
-            except Exception:  # noqa: BLE001 - logged by _queue_removal; the table is already updated
-                pass
-
-    async def _reload(self, e: Entry, keep: set[str]) -> None:
-        self._check_room(keep)
-        try:
-            await asyncio.to_thread(self.engine.load_lora, e.path, e.name)
-        except BaseException:
-            self.loads["error"] += 1
-            raise
-        self.loads["ok"] += 1
-        e.resident = True
-        await self._wait(self._make_room(keep))
 
     # ------------------------------------------------------------------ security
     def check_source(self, source: str) -> str:

@@ -48,7 +48,7 @@ def _residency(state: ServerState, name: str) -> str:
     e = state.pool.entries.get(name)
     if e is None or not e.resident:
         return "cold"
-    if bank is not None and name in bank.resident():
+    if bank is not None and name in bank.in_slots():
         return "slot"
     if bank is not None and name in bank.warm.names():
         return "warm"
