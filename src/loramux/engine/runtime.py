@@ -81,7 +81,8 @@ class Engine:
         self.ctx = Context(model, self._ctx_opts, callback=self.bank.callback if self.bank else None)
         guard = KvGuard(model, self.bank.callback if self.bank else None, opts.kv_type)
         self.scheduler = Scheduler(model, self.ctx, n_parallel, self.bank, opts.deterministic, guard,
-                                   score_rows=opts.score_rows)
+                                   score_rows=opts.score_rows, score_rows_shared=opts.score_rows_shared,
+                                   request_slots=opts.request_slots, request_step_seqs=opts.request_step_seqs)
         self._eval_ctx: Context | None = None
         self._eval_risky = False  # the evaluation context last ran a risky adapter set (kv_guard.py)
         self.control: ControlSetting | None = None  # default control-vector setting (see control.py)
@@ -417,7 +418,7 @@ class Engine:
                on_event: Callable[[str, Any], None] | None = None, share: Request | None = None,
                grammar: Grammar | ActiveGrammar | None = None, shown: Collection[int] = (),
                stop_tokens: Collection[int] = (), versions: Mapping[str, int] | None = None,
-               **sampling: Any) -> Request:
+               party: object | None = None, **sampling: Any) -> Request:
         """Queue a generation; events arrive on `request.events` (and `on_event`, on the engine thread).
 
         `share`: an earlier request on the same prompt and adapters whose prompt KV this one reuses (n > 1).
@@ -426,7 +427,9 @@ class Engine:
         into the output (they are left out otherwise), e.g. a tool-call format's tags. `stop_tokens`: tokens
         that end the output as an end-of-generation token does (left out of it; ignore_eos does not apply).
         `versions`: adapter name → the content version this request must run on (AdapterVersionError if
-        that is not the version it would get: the adapter moved on)."""
+        that is not the version it would get: the adapter moved on). `party`: any object the sequences of one
+        request of several share (the server's HTTP request): they get a fair share of the engine together,
+        not one each (engine/fairness.py)."""
         params = SamplingParams(**sampling).validate()
         if isinstance(grammar, Grammar):
             grammar = grammar.compile(self.model)
@@ -444,7 +447,7 @@ class Engine:
             _check_versions(versions, {a.name: self.pushes.target(a) for a, _ in aset.items})
             req = Request(tokens, params, phases, alora, on_event=on_event, grammar=grammar,
                           scoring=Scoring.wanted(params.prompt_logprobs, params.logprobs), share=share,
-                          shown=frozenset(shown), stop_tokens=frozenset(stop_tokens))
+                          shown=frozenset(shown), stop_tokens=frozenset(stop_tokens), party=party)
             if params.max_tokens == 0 and params.prompt_logprobs is None:
                 req.emit("done", Completion("", [], "length", len(tokens), aset.as_dict(), alora,
                                             versions=phases[-1].adapters.versions))
