@@ -34,14 +34,17 @@ class Trace:
         self.eng = eng
         self.steps: dict[str, Counter[int]] = {}
         self.first: dict[str, int] = {}
+        self.who: dict[int, list[int]] = {}  # step -> the big request's sequences that got a token
 
-    def listener(self, party: str, started: threading.Event | None = None):
+    def listener(self, party: str, started: threading.Event | None = None, seq: int = 0):
         counts = self.steps.setdefault(party, Counter())
 
         def on_event(kind: str, _value: object) -> None:
             if kind == "logprobs":  # one per generated token (logprobs=0 asks for them)
                 step = self.eng.scheduler.stats["decode_steps"]
                 counts[step] += 1
+                if party == "big":
+                    self.who.setdefault(step, []).append(seq)
                 self.first.setdefault(party, step)
                 if started is not None and sum(counts.values()) >= 2 * PARALLEL:
                     started.set()
@@ -56,7 +59,7 @@ def _sixteen(eng: lm.Engine, trace: Trace, started: threading.Event | None = Non
     for j in range(SEQS):
         reqs.append(eng.submit(PROMPT, max_tokens=TOKENS, ignore_eos=True, temperature=1.0, seed=100 + j,
                                logprobs=0, party=party, share=reqs[0] if reqs else None,
-                               on_event=trace.listener("big", started)))
+                               on_event=trace.listener("big", started, j)))
     return reqs
 
 
@@ -117,6 +120,8 @@ def test_beside_a_neighbour_one_sequence_a_step_in_turn(beside):
     big, near = trace.steps["big"], trace.steps["neighbour"]
     shared = list(near)  # the steps where the neighbour decoded: another request was running
     assert shared and all(big.get(s, 0) <= 1 for s in shared), {s: big.get(s, 0) for s in shared}
+    served = [q for s in shared for q in trace.who.get(s, [])]
+    assert len(set(served)) >= PARALLEL - 1, served  # in turn: its running sequences all advance
     assert all(v <= PARALLEL - 1 for v in big.values())
     assert sum(big.values()) == SEQS * TOKENS  # every sequence finished its tokens
 

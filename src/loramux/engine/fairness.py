@@ -7,8 +7,8 @@ Two bounds keep such a request from taking every other request's turn:
   `n_parallel`), so a request arriving while an `n` = 16 request runs finds a slot free at once instead
   of waiting for a whole wave of its sequences;
 - **steps**: while a sequence of another party runs, one party puts at most `request_step_seqs` of its
-  sequences into a decode step (default 1), taking turns: the one that has done the fewest tokens goes
-  first, so its sequences advance round-robin. Alone it decodes them all together.
+  sequences into a decode step (default 1), taking turns (round-robin over them in slot order). Alone it
+  decodes them all together.
 
 Neither changes what a sequence computes (its own tokens, sampler and seed), only when; in deterministic
 mode the tokens are then identical, elsewhere as identical as any change of batch composition leaves them.
@@ -51,9 +51,9 @@ def over_slots(r: Member, running: Sequence[Member], limit: int) -> bool:
     return sum(1 for q in running if party_of(q) is p) >= limit
 
 
-def step_share(members: list[M], running: Sequence[Member], per_step: int) -> list[M]:
-    """The members one decode step serves: all of them when one party runs alone, else at most
-    `per_step` of each party's, those that have done the fewest tokens first (ties: the earliest)."""
+def step_share(members: list[M], running: Sequence[Member], per_step: int, step: int) -> list[M]:
+    """The members decode step `step` serves: all of them when one party runs alone, else at most
+    `per_step` of each party's, in turn (the window moves on by `per_step` each step)."""
     parties = {id(party_of(q)) for q in running}
     if len(parties) < 2:
         return members
@@ -65,8 +65,8 @@ def step_share(members: list[M], running: Sequence[Member], per_step: int) -> li
         if len(group) <= per_step:
             chosen.update(id(r) for r in group)
             continue
-        turn = sorted(group, key=lambda r: (len(r.generated), r.n_past, r.arrived))[:per_step]
-        chosen.update(id(r) for r in turn)
+        start = step * per_step % len(group)
+        chosen.update(id(r) for r in (group[start:] + group[:start])[:per_step])
     return [r for r in members if id(r) in chosen]
 
 

@@ -181,7 +181,7 @@ class Scheduler:
             return
         group = self._pick_group(runnable)
         turn = step_share([r for r in runnable if r.phase_at(r.n_past).group_key == group], runnable,
-                          self.request_step_seqs)
+                          self.request_step_seqs, self.stats["decode_steps"])
         members, guarded = self._guard_plan(turn)
         if not members:
             return
