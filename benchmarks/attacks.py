@@ -13,12 +13,18 @@ included: rate limits belong in front of the server.)
     python benchmarks/attacks.py                      # the embedded Gemma 3 270M
     python benchmarks/attacks.py --only nested10,scoring --repeats 9
     python benchmarks/attacks.py --against ../old-checkout    # this tree and another, attack by attack
+    python benchmarks/attacks.py --only fanout --variant "all4=--request-slots 4 --request-step-seqs 4"
+
+`--variant LABEL=OPTIONS` serves this tree once more with those `loramux serve` options (repeatable): the
+settings compared in the same run, in turn. Every measurement records the 1-minute load average, and the
+table gives its median per row (the machine's load is part of every figure).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import subprocess
 import sys
 import threading
@@ -107,11 +113,14 @@ def neighbour(url: str, repeats: int) -> list[float]:
     return out
 
 
-def start_server(args: argparse.Namespace, src: str | None) -> tuple[subprocess.Popen[bytes], str]:
-    """`loramux serve` from this checkout, or (src) from another source tree's `src` directory."""
+def start_server(args: argparse.Namespace, src: str | None,
+                 extra: list[str] | None = None) -> tuple[subprocess.Popen[bytes], str]:
+    """`loramux serve` from this checkout, or (src) from another source tree's `src` directory, with
+    `extra` options."""
     port = free_port()
     argv = [sys.executable, "-m", "loramux", "serve", str(model_path(args.model)), "--port", str(port),
-            "--threads", str(args.threads), "--parallel", str(args.parallel), "--no-example-adapter"]
+            "--threads", str(args.threads), "--parallel", str(args.parallel), "--no-example-adapter",
+            *(extra or [])]
     env = dict(os.environ, PYTHONPATH=str(Path(src).resolve() / "src")) if src else None
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     url = f"http://127.0.0.1:{port}"
@@ -135,6 +144,7 @@ def timed_neighbour(url: str, pid: int) -> tuple[float, float]:
 
 def measure(url: str, pid: int, path: str, body: dict[str, Any], into: dict[str, Any]) -> None:
     """The neighbour alone, then attacked (the shared machine drifts: alone and attacked go in turn)."""
+    into["load"].append(os.getloadavg()[0])
     wall, cpu = timed_neighbour(url, pid)
     into["alone"].append(wall)
     into["alone_cpu"].append(cpu)
@@ -157,6 +167,8 @@ def main() -> int:
     ap.add_argument("--against", default=None, metavar="TREE",
                     help="also serve from this source tree (a checkout of another version), measured in turn "
                          "with this one, attack by attack")
+    ap.add_argument("--variant", action="append", default=[], metavar="LABEL=OPTIONS",
+                    help="also serve this tree with these `loramux serve` options, measured in turn (repeatable)")
     args = ap.parse_args()
     chosen = attacks()
     if args.only:
@@ -169,9 +181,12 @@ def main() -> int:
         servers["this"] = start_server(args, None)
         if args.against:
             servers[Path(args.against).name] = start_server(args, args.against)
+        for v in args.variant:
+            label, _, options = v.partition("=")
+            servers[label] = start_server(args, None, shlex.split(options))
         for name, (path, body) in chosen.items():
             got_by = {label: {"alone": [], "attacked": [], "alone_cpu": [], "attacked_cpu": [], "attack": [],
-                              "outcomes": {}} for label in servers}
+                              "load": [], "outcomes": {}} for label in servers}
             for _ in range(args.repeats):
                 for label, (proc, url) in servers.items():  # the servers in turn, repeat by repeat
                     measure(url, proc.pid, path, body, got_by[label])
@@ -181,7 +196,8 @@ def main() -> int:
                 got = ", ".join(f"{k} ×{v}" for k, v in Counter(m["outcomes"]).most_common(3))
                 cpu = ratio(median(m["attacked_cpu"]), median(m["alone_cpu"]))
                 rows.append([name, label, f"{median(alone):.2f}", f"{median(during):.2f}",
-                             f"{ratio(median(during), median(alone)):.2f}×", f"{cpu:.2f}×", f"{median(took):.2f}", got])
+                             f"{ratio(median(during), median(alone)):.2f}×", f"{cpu:.2f}×", f"{median(took):.2f}",
+                             f"{median(m['load']):.1f}", got])
                 print(f"  {name} ({label}): {median(alone):.2f} s -> {median(during):.2f} s ({got})",
                       file=sys.stderr)
     finally:
@@ -193,7 +209,8 @@ def main() -> int:
                 proc.kill()
     print_table(f"neighbour: 8 tokens, greedy, median of {args.repeats}; attacked: sent 50 ms after one attack request",
                 ["attack", "server", "alone (s)", "attacked (s)", "ratio", "CPU ratio", "attack took (s)",
-                 "attacker got"], rows)
+                 "load", "attacker got"], rows)
+    print(f"load average at the end: {[round(x, 2) for x in os.getloadavg()]}")
     dump_json(args.json, {"machine": info, "raw": raw})
     return 0
 

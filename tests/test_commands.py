@@ -218,7 +218,7 @@ NOT_RUN: dict[str, str] = {
         "hellaswag is a Hub dataset and CI has no Hub; tests/test_lm_eval.py runs lm-eval's local-completions "
         "against loramux serve on a local task",
     **{f"python -m pytest -q {files}": "test files of this suite (.ci/run runs them with the rest)" for files in (
-        "tests/test_adversarial.py", "tests/test_security.py", "tests/test_ray.py",
+        "tests/test_adversarial.py", "tests/test_fair_share.py", "tests/test_security.py", "tests/test_ray.py",
         "tests/test_tokenize_queue.py tests/test_rpc_hostile.py tests/test_rpc_cache.py",
         "tests/test_api_fuzz.py tests/test_fuzz_gguf.py tests/test_gguf_bounds.py")},
     'ANTHROPIC_BASE_URL=http://127.0.0.1:8080 ANTHROPIC_API_KEY=- claude -p "Say hi" --model pirate':

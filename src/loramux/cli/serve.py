@@ -136,6 +136,22 @@ def _security_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--write-timeout", type=float, default=None, metavar="S",
                    help="seconds a response may stall on a client that does not read before the "
                         "connection is dropped and its request cancelled (default 30)")
+    _share_options(p)
+
+
+def _share_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("fair shares of the engine (docs/security.md, Per-request cost budgets)")
+    g.add_argument("--request-slots", type=int, default=None, metavar="K",
+                   help="the most sequences of one request (n, best_of, several prompts, fan-out) that run at "
+                        "once; its others wait (default 0: all but one of --parallel, so a request arriving "
+                        "finds a slot)")
+    g.add_argument("--request-step-seqs", type=int, default=None, metavar="K",
+                   help="the most sequences of one request a decode step serves while another request runs; "
+                        "they take turns (default 1)")
+    g.add_argument("--score-rows", type=int, default=None, metavar="N",
+                   help="prompt-scoring logit rows per decode while nothing else runs (default 16)")
+    g.add_argument("--score-rows-shared", type=int, default=None, metavar="N",
+                   help="prompt-scoring logit rows per decode while another request runs (default 2)")
 
 
 def _key(args: argparse.Namespace, name: str) -> str | None:
@@ -200,7 +216,9 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         max_upload_bytes=args.max_upload_bytes, jobs_dir=args.jobs_dir,
         loras=tuple(base.loras) + tuple(loras) if loras else None,
         control_vectors=tuple(base.control_vectors) + tuple(cvs) if cvs else None,
-        control_vector_layers=args.control_vector_layers, tool_format=args.tool_format)
+        control_vector_layers=args.control_vector_layers, tool_format=args.tool_format,
+        request_slots=args.request_slots, request_step_seqs=args.request_step_seqs, score_rows=args.score_rows,
+        score_rows_shared=args.score_rows_shared)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from ..errors import ParameterError
-from .scoring import SCORE_ROWS
+from .scoring import SCORE_ROWS, SCORE_ROWS_SHARED
 
 KV_TYPES = ("f16", "f32", "bf16", "q8_0")
 #: Default bound of the slot bank's warm tier (engine/residency.py): ~65 rank-8 F32 adapters of Gemma 3 270M.
@@ -32,7 +32,10 @@ class EngineOptions:
     batch-invariant serving (see README, "Deterministic mode"). rpc: llama.cpp RPC workers
     ("host:port", from `loramux rpc-worker`) that hold the base model's layers (see engine/rpc.py).
     score_rows: full-vocabulary logit rows one decode may compute for prompt scoring while no other request
-    runs (a request that arrives meanwhile waits for that decode; see engine/scoring.py).
+    runs (a request that arrives meanwhile waits for that decode; see engine/scoring.py); score_rows_shared:
+    the same while another request runs. request_slots: the most sequence slots one request of several
+    sequences (the same `party`) holds at once (0: all but one of n_parallel); request_step_seqs: the most
+    of its sequences one decode step serves while another request runs (see engine/fairness.py).
     max_loaded: adapters llama.cpp holds at once (None: no bound); past it the least recently used one
     that no request uses is evicted and loaded again when a request names it (engine/residency.py).
     """
@@ -54,6 +57,9 @@ class EngineOptions:
     kv_type: str = "f16"
     rpc: tuple[str, ...] = ()
     score_rows: int = SCORE_ROWS
+    score_rows_shared: int = SCORE_ROWS_SHARED
+    request_slots: int = 0
+    request_step_seqs: int = 1
     max_loaded: int | None = None
 
     def __post_init__(self) -> None:
@@ -62,9 +68,12 @@ class EngineOptions:
             object.__setattr__(self, "rpc", parse_endpoints(self.rpc or ()))
         except ParameterError as e:
             problems.append(("rpc", e.message.split(": ", 1)[-1]))
-        for name in ("n_ctx", "n_parallel", "n_batch", "slot_rank", "score_rows"):
+        for name in ("n_ctx", "n_parallel", "n_batch", "slot_rank", "score_rows", "score_rows_shared",
+                     "request_step_seqs"):
             if getattr(self, name) < 1:
                 problems.append((name, f"must be ≥ 1 (got {getattr(self, name)})"))
+        if self.request_slots < 0:
+            problems.append(("request_slots", f"must be ≥ 0 (0 = all but one of n_parallel; got {self.request_slots})"))
         if self.slots < 0:
             problems.append(("slots", f"must be ≥ 0 (0 = no slot bank; got {self.slots})"))
         if self.adapter_cache_bytes < 0:

@@ -83,7 +83,8 @@ class Engine:
         self.ctx = Context(model, self._ctx_opts, callback=self.bank.callback if self.bank else None)
         guard = KvGuard(model, self.bank.callback if self.bank else None, opts.kv_type)
         self.scheduler = Scheduler(model, self.ctx, n_parallel, self.bank, opts.deterministic, guard,
-                                   score_rows=opts.score_rows)
+                                   score_rows=opts.score_rows, score_rows_shared=opts.score_rows_shared,
+                                   request_slots=opts.request_slots, request_step_seqs=opts.request_step_seqs)
         # the loaded tier: which adapters llama.cpp holds, at most max_loaded (residency.py)
         self.loaded = LoadedTier(model, self.registry, opts.max_loaded, users=self.scheduler.users,
                                  load=lambda checked, cold: self._register(checked, cold.name, cold.source),
@@ -458,7 +459,7 @@ class Engine:
                on_event: Callable[[str, Any], None] | None = None, share: Request | None = None,
                grammar: Grammar | ActiveGrammar | None = None, shown: Collection[int] = (),
                stop_tokens: Collection[int] = (), versions: Mapping[str, int] | None = None,
-               **sampling: Any) -> Request:
+               party: object | None = None, **sampling: Any) -> Request:
         """Queue a generation; events arrive on `request.events` (and `on_event`, on the engine thread).
         Blocks while its adapters wait for room under `max_loaded` (see `submit_async`).
 
@@ -468,16 +469,19 @@ class Engine:
         into the output (they are left out otherwise), e.g. a tool-call format's tags. `stop_tokens`: tokens
         that end the output as an end-of-generation token does (left out of it; ignore_eos does not apply).
         `versions`: adapter name → the content version this request must run on (AdapterVersionError if
-        that is not the version it would get: the adapter moved on)."""
+        that is not the version it would get: the adapter moved on). `party`: any object the sequences of one
+        request of several share (the server's HTTP request): they get a fair share of the engine together,
+        not one each (engine/fairness.py)."""
         return self.submit_async(prompt, loras=loras, control=control, on_event=on_event, share=share,
                                  grammar=grammar, shown=shown, stop_tokens=stop_tokens, versions=versions,
-                                 **sampling).result()
+                                 party=party, **sampling).result()
 
     def submit_async(self, prompt: str | Sequence[int], *, loras: LoraArg = None,
                      control: ControlArg = Inherit.ENGINE, on_event: Callable[[str, Any], None] | None = None,
                      share: Request | None = None, grammar: Grammar | ActiveGrammar | None = None,
                      shown: Collection[int] = (), stop_tokens: Collection[int] = (),
-                     versions: Mapping[str, int] | None = None, **sampling: Any) -> Future[Request]:
+                     versions: Mapping[str, int] | None = None, party: object | None = None,
+                     **sampling: Any) -> Future[Request]:
         """`submit`, returning at once a Future of the queued Request. Its adapters become loaded and in use
         in one engine-thread step (residency.LoadedTier): an evicted one is parsed again here, on the
         caller's thread, and loaded there; while no room can be made under `max_loaded` the Future waits
@@ -499,7 +503,7 @@ class Engine:
                 ph.adapters = self.pushes.pin(ph.adapters)
             _check_versions(versions, {a.name: self.pushes.target(a) for a, _ in aset.items})
             req = Request(RequestInput(tokens, params, phases, alora, on_event=on_event, share=share,
-                                       shown=frozenset(shown), stop_tokens=frozenset(stop_tokens)),
+                                       shown=frozenset(shown), stop_tokens=frozenset(stop_tokens), party=party),
                           grammar=grammar, scoring=Scoring.wanted(params.prompt_logprobs, params.logprobs))
             if params.max_tokens == 0 and params.prompt_logprobs is None:
                 req.emit("done", Completion("", [], "length", len(tokens), aset.as_dict(), alora,

@@ -22,6 +22,7 @@ from typing import Any
 from .. import _native as N
 from ..errors import LoramuxError, RequestFailed
 from .bank import SlotBank
+from .fairness import over_slots, slot_limit, step_share
 from .grammar import ActiveGrammar
 from .kv_guard import KvGuard, may_leave_bad_values, read_bad_values_error
 from .linestops import LineStops
@@ -54,6 +55,7 @@ class RequestInput:
     share: Request | None = None  # n > 1: a sibling on the same prompt whose prompt KV this one shares
     shown: frozenset[int] = frozenset()  # control tokens whose text goes into the output (a tool format's tags)
     stop_tokens: frozenset[int] = frozenset()  # tokens that end the output like an end-of-generation token
+    party: object | None = None  # the request of several sequences this one is a sequence of (fairness.py)
 
 
 @dataclass
@@ -93,6 +95,14 @@ class Request:
     def phases(self) -> list[Phase]:
         return self.input.phases
 
+    @property
+    def party(self) -> object | None:
+        return self.input.party
+
+    @property
+    def arrived(self) -> float:
+        return self.input.arrived
+
     def phase_at(self, pos: int) -> Phase:
         cur = self.phases[0]
         for ph in self.phases:
@@ -118,9 +128,15 @@ class Scheduler:
     """Owns the serving context. Only the engine thread calls into it."""
 
     def __init__(self, model: Model, ctx: Context, n_parallel: int, bank: SlotBank | None = None,
-                 deterministic: bool = False, guard: KvGuard | None = None, score_rows: int = SCORE_ROWS) -> None:
+                 deterministic: bool = False, guard: KvGuard | None = None, score_rows: int = SCORE_ROWS,
+                 score_rows_shared: int = SCORE_ROWS_SHARED, request_slots: int = 0, request_step_seqs: int = 1
+                 ) -> None:
         self.model = model
         self.score_rows = score_rows  # prompt-scoring rows per decode while nothing else runs (scoring.py)
+        self.score_rows_shared = score_rows_shared  # ... and while another request runs
+        # one request of several sequences: slots it holds at once, sequences per step beside others
+        self.request_slots = slot_limit(request_slots, n_parallel)
+        self.request_step_seqs = request_step_seqs
         self.ctx = ctx
         self.bank = bank
         # The guard checks KV writes through the bank's eval callback, one ubatch per decode on a unified
@@ -196,7 +212,9 @@ class Scheduler:
         if not runnable:
             return
         group = self._pick_group(runnable)
-        members, guarded = self._guard_plan([r for r in runnable if r.phase_at(r.n_past).group_key == group])
+        turn = step_share([r for r in runnable if r.phase_at(r.n_past).group_key == group], runnable,
+                          self.request_step_seqs, self.stats.decode_steps)
+        members, guarded = self._guard_plan(turn)
         if not members:
             return
         phase = members[0].phase_at(members[0].n_past)  # before _fill_batch advances n_past
@@ -281,8 +299,8 @@ class Scheduler:
         skipped: list[Request] = []  # blocked ones and those waiting for a pushed version, in order
         while self.waiting and any(s is None and i not in self.quarantined for i, s in enumerate(self.slots)):
             r = self.waiting.pop(0)
-            if not self._on_version(r):
-                skipped.append(r)
+            if not self._on_version(r) or over_slots(r, self.running, self.request_slots):
+                skipped.append(r)  # (or its request holds its share of the slots already: fairness.py)
                 continue
             if self._waits_for_sibling(r) or (blocked and self._held_back(blocked[0], r)):
                 blocked.append(r)
@@ -423,7 +441,7 @@ class Scheduler:
                 r.pending = None
         # full-vocabulary logit rows that prompt scoring may still take this decode: fewer while another
         # request runs (each row is an output projection and a pass over the vocabulary; scoring.py)
-        rows_left = min(SCORE_ROWS_SHARED, self.score_rows) if any(
+        rows_left = min(self.score_rows_shared, self.score_rows) if any(
             q.scoring is None or not q.scoring.scores_prompt for q in self.running) else self.score_rows
         for r in members:
             if r.n_past >= len(r.prompt) or b.n >= b.capacity:

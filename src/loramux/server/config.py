@@ -46,7 +46,7 @@ from typing import Any
 from ..engine.grammar_cost import DEFAULT_LIMITS, GrammarLimits
 from ..engine.options import DEFAULT_ADAPTER_CACHE_BYTES, EngineOptions, bank_size
 from ..engine.runtime import Engine
-from ..engine.scoring import SCORE_ROWS
+from ..engine.scoring import SCORE_ROWS, SCORE_ROWS_SHARED
 from ..errors import LoramuxError, ParameterError
 from ..gguf_io import validate_adapter
 
@@ -141,6 +141,13 @@ class ServerSettings:
     # Prompt-scoring logit rows per decode while nothing else runs (engine/scoring.py): a request arriving
     # meanwhile waits for that decode, about 2-4 ms a row on Gemma 3 270M (2 cores).
     score_rows: int = SCORE_ROWS
+    # ... and while another request runs: each row is a pass over the vocabulary the neighbour waits for.
+    score_rows_shared: int = SCORE_ROWS_SHARED
+    # A request of several sequences (n, best_of, prompts, fan-out; engine/fairness.py): the most slots it
+    # holds at once (0: all but one of --parallel, so a request arriving finds one free), and the most of
+    # its sequences one decode step serves while another request runs (they take turns).
+    request_slots: int = 0
+    request_step_seqs: int = 1
 
     # ------------------------------------------------------------------ building
     @classmethod
@@ -251,10 +258,14 @@ class ServerSettings:
 
     def _budget_problems(self) -> list[str]:
         problems = []
-        for name in ("grammar_max_alternatives", "grammar_max_elements", "max_scored_tokens"):
+        for name in ("grammar_max_alternatives", "grammar_max_elements", "max_scored_tokens", "score_rows",
+                     "score_rows_shared", "request_step_seqs"):
             v = getattr(self, name)
             if type(v) is not int or v < 1:
                 problems.append(f"{name}: must be a positive integer, got {v!r}")
+        if type(self.request_slots) is not int or self.request_slots < 0:
+            problems.append(f"request_slots: must be an integer ≥ 0 (0: all but one of parallel), "
+                            f"got {self.request_slots!r}")
         for name in ("grammar_max_optional_run", "grammar_token_seconds", "grammar_request_seconds"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < 1e6:
@@ -286,7 +297,9 @@ class ServerSettings:
                              slots=slots if self.slots is None else self.slots,
                              slot_rank=rank if self.slot_rank is None else self.slot_rank,
                              adapter_cache_bytes=self.adapter_cache_bytes, deterministic=self.deterministic,
-                             rpc=self.rpc, score_rows=self.score_rows, max_loaded=self.max_loaded)
+                             rpc=self.rpc, score_rows=self.score_rows, score_rows_shared=self.score_rows_shared,
+                             request_slots=self.request_slots, request_step_seqs=self.request_step_seqs,
+                             max_loaded=self.max_loaded)
 
     def start_ranks(self) -> list[int]:
         """Largest rank of each start adapter that is a readable local file (its header only)."""

@@ -178,7 +178,8 @@ async def _submit(group: Group, subs: Sequence[CompletionRequest | ChatRequest],
     grid: list[list[Job | None]] = [[None] * per for _ in subs]
 
     def extra(j: int) -> dict[str, Any]:
-        out: dict[str, Any] = {"logprobs": k_gen, "prompt_logprobs": k_prompt}
+        # party: the engine gives the request's sequences a fair share together (engine/fairness.py)
+        out: dict[str, Any] = {"logprobs": k_gen, "prompt_logprobs": k_prompt, "party": group}
         if body.seed is not None:
             seed = (body.seed + j) & 0xFFFFFFFF  # each sequence its own, reproducible, seed
             out["seed"] = seed - (seed == 0xFFFFFFFF)  # llama.cpp reads that one as "random"

@@ -1,0 +1,77 @@
+"""Fair shares of the engine for a request of several sequences (`n`, `best_of`, several prompts, fan-out).
+
+The server submits each sequence of one HTTP request as an engine request carrying the same `party`.
+Two bounds keep such a request from taking every other request's turn:
+
+- **slots**: one party holds at most `request_slots` sequence slots at once (by default all but one of
+  `n_parallel`), so a request arriving while an `n` = 16 request runs finds a slot free at once instead
+  of waiting for a whole wave of its sequences;
+- **steps**: while a sequence of another party runs, one party puts at most `request_step_seqs` of its
+  sequences into a decode step (default 1), taking turns (round-robin over them in slot order). Alone it
+  decodes them all together.
+
+Neither changes what a sequence computes (its own tokens, sampler and seed), only when; in deterministic
+mode the tokens are then identical, elsewhere as identical as any change of batch composition leaves them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, TypeVar
+
+
+class Member(Protocol):
+    """What the shares read of a scheduler request."""
+
+    generated: list[int]
+    n_past: int
+
+    @property
+    def party(self) -> object | None: ...
+
+    @property
+    def arrived(self) -> float: ...
+
+
+M = TypeVar("M", bound=Member)
+
+
+def party_of(r: Member) -> object:
+    """The request a sequence belongs to: its `party`, or the sequence itself when it has none."""
+    return r.party if r.party is not None else r
+
+
+def slot_limit(request_slots: int, n_parallel: int) -> int:
+    """The slots one party may hold: `request_slots`, or (0) all but one of `n_parallel`, at least 1."""
+    return request_slots if request_slots > 0 else max(1, n_parallel - 1)
+
+
+def over_slots(r: Member, running: Sequence[Member], limit: int) -> bool:
+    """Would admitting `r` give its party more than `limit` running sequences? Single-sequence requests
+    never are (a party of one holds one slot)."""
+    if r.party is None:
+        return False
+    p = party_of(r)
+    return sum(1 for q in running if party_of(q) is p) >= limit
+
+
+def step_share(members: list[M], running: Sequence[Member], per_step: int, step: int) -> list[M]:
+    """The members decode step `step` serves: all of them when one party runs alone, else at most
+    `per_step` of each party's, in turn (the window moves on by `per_step` each step)."""
+    parties = {id(party_of(q)) for q in running}
+    if len(parties) < 2:
+        return members
+    by_party: dict[int, list[M]] = {}
+    for r in members:
+        by_party.setdefault(id(party_of(r)), []).append(r)
+    chosen: set[int] = set()
+    for group in by_party.values():
+        if len(group) <= per_step:
+            chosen.update(id(r) for r in group)
+            continue
+        start = step * per_step % len(group)
+        chosen.update(id(r) for r in (group[start:] + group[:start])[:per_step])
+    return [r for r in members if id(r) in chosen]
+
+
+__all__ = ["Member", "over_slots", "party_of", "slot_limit", "step_share"]

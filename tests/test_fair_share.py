@@ -1,0 +1,219 @@
+"""A request of several sequences takes a fair share of the engine (engine/fairness.py): beside an `n` = 16
+request a neighbour is admitted at once and finishes within its own number of decode steps, one request
+never runs more than `request_slots` sequences nor puts more than `request_step_seqs` of them into a step
+while another request runs, prompt scoring keeps to `score_rows_shared` rows a step beside a neighbour,
+and every sequence's tokens are those it gets without the neighbour. On real llama.cpp and the tiny model;
+steps are counted with the scheduler's decode-step counter (no timings)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import pytest
+from test_server import serving
+
+import loramux as lm
+from loramux.cli.serve import add_parsers, settings_from_args
+from loramux.engine.fairness import slot_limit
+from loramux.engine.scheduler import Request
+from loramux.errors import ParameterError
+
+PROMPT = "the cat sat on the mat"
+SEQS, TOKENS, NEIGHBOUR = 16, 24, 8
+PARALLEL = 4
+
+
+class Trace:
+    """Which party got a token at which decode step (read on the engine thread, as it samples)."""
+
+    def __init__(self, eng: lm.Engine) -> None:
+        self.eng = eng
+        self.steps: dict[str, Counter[int]] = {}
+        self.first: dict[str, int] = {}
+        self.who: dict[int, list[int]] = {}  # step -> the big request's sequences that got a token
+
+    def listener(self, party: str, started: threading.Event | None = None, seq: int = 0):
+        counts = self.steps.setdefault(party, Counter())
+
+        def on_event(kind: str, _value: object) -> None:
+            if kind == "logprobs":  # one per generated token (logprobs=0 asks for them)
+                step = self.eng.scheduler.stats["decode_steps"]
+                counts[step] += 1
+                if party == "big":
+                    self.who.setdefault(step, []).append(seq)
+                self.first.setdefault(party, step)
+                if started is not None and sum(counts.values()) >= 2 * PARALLEL:
+                    started.set()
+        return on_event
+
+
+def _sixteen(eng: lm.Engine, trace: Trace, started: threading.Event | None = None) -> list[Request]:
+    """An `n` = 16 request as the server submits it: one party, the later sequences sharing the first's
+    prompt KV, each its own seed."""
+    party = object()
+    reqs: list[Request] = []
+    for j in range(SEQS):
+        reqs.append(eng.submit(PROMPT, max_tokens=TOKENS, ignore_eos=True, temperature=1.0, seed=100 + j,
+                               logprobs=0, party=party, share=reqs[0] if reqs else None,
+                               on_event=trace.listener("big", started, j)))
+    return reqs
+
+
+def _tokens(req: Request) -> list[int]:
+    while True:
+        kind, value = req.events.get(timeout=120)
+        if kind == "done":
+            return list(value.tokens)
+        if kind == "error":
+            raise value
+
+
+def _run(tiny_model: Path, neighbour: bool, **options: object) -> tuple[Trace, list[list[int]], dict]:
+    eng = lm.Engine.load(tiny_model, n_ctx=256, n_threads=2, n_parallel=PARALLEL, **options)
+    try:
+        trace, started = Trace(eng), threading.Event()
+        big = _sixteen(eng, trace, started)
+        info: dict = {}
+        if neighbour:
+            assert started.wait(120)  # the n = 16 request is decoding: the neighbour arrives now
+            at = eng.scheduler.stats["decode_steps"]
+            n = eng.submit("the dog ran", max_tokens=NEIGHBOUR, ignore_eos=True, temperature=0, logprobs=0,
+                           on_event=trace.listener("neighbour"))
+            info = {"at": at, "tokens": _tokens(n), "last": max(trace.steps["neighbour"])}
+        return trace, [_tokens(r) for r in big], info
+    finally:
+        eng.close()
+
+
+@pytest.fixture(scope="module")
+def alone(tiny_model):
+    return _run(tiny_model, neighbour=False)
+
+
+@pytest.fixture(scope="module")
+def beside(tiny_model):
+    return _run(tiny_model, neighbour=True)
+
+
+def test_alone_the_request_runs_all_but_one_slot_at_once(alone):
+    trace, tokens, _ = alone
+    per_step = trace.steps["big"]
+    assert all(len(t) == TOKENS for t in tokens)
+    assert max(per_step.values()) == slot_limit(0, PARALLEL) == PARALLEL - 1  # work-conserving up to its share
+    assert sum(per_step.values()) == SEQS * TOKENS
+
+
+def test_a_neighbour_is_admitted_at_once_and_finishes_in_its_own_steps(beside):
+    trace, _, info = beside
+    # one prompt decode, then one token a step: NEIGHBOUR steps from its admission, which is the next step
+    # (a slot is free). Without the slot share it waits for a whole wave of the big request (TOKENS steps).
+    assert info["last"] - info["at"] <= NEIGHBOUR + 2, info
+    assert len(info["tokens"]) == NEIGHBOUR
+
+
+def test_beside_a_neighbour_one_sequence_a_step_in_turn(beside):
+    trace, _, info = beside
+    big, near = trace.steps["big"], trace.steps["neighbour"]
+    shared = list(near)  # the steps where the neighbour decoded: another request was running
+    assert shared and all(big.get(s, 0) <= 1 for s in shared), {s: big.get(s, 0) for s in shared}
+    served = [q for s in shared for q in trace.who.get(s, [])]
+    assert len(set(served)) >= PARALLEL - 1, served  # in turn: its running sequences all advance
+    assert all(v <= PARALLEL - 1 for v in big.values())
+    assert sum(big.values()) == SEQS * TOKENS  # every sequence finished its tokens
+
+
+def test_every_sequence_gets_the_tokens_it_gets_without_the_neighbour(alone, beside, tiny_model):
+    """The shares only change when a sequence decodes, not what: same seeds, same tokens, sequence by
+    sequence; the neighbour's tokens are those it gets alone."""
+    assert beside[1] == alone[1]
+    assert len({tuple(t) for t in alone[1]}) > 1  # the seeds differ: not 16 copies of one answer
+    with lm.Engine.load(tiny_model, n_ctx=256, n_threads=2, n_parallel=PARALLEL) as eng:
+        solo = eng.generate("the dog ran", max_tokens=NEIGHBOUR, ignore_eos=True, temperature=0)
+    assert beside[2]["tokens"] == solo.tokens
+
+
+def test_prompt_scoring_keeps_to_its_shared_rows_beside_a_neighbour(tiny_model):
+    """A long scored prompt computes at most `score_rows_shared` rows in each decode the neighbour shares."""
+    with lm.Engine.load(tiny_model, n_ctx=512, n_threads=2, n_parallel=2, score_rows=16,
+                        score_rows_shared=1) as eng:
+        toks = (eng.tokenize("the history of the river valley") * 40)[:300]
+        started = threading.Event()
+        scored = eng.submit(toks, max_tokens=1, prompt_logprobs=0)
+        rows: list[tuple[int, int]] = []
+
+        def on_event(kind: str, _value: object) -> None:
+            if kind == "logprobs":
+                rows.append((eng.scheduler.stats["decode_steps"], len(scored.scoring.prompt)))
+                started.set()
+        n = eng.submit("the dog ran", max_tokens=NEIGHBOUR, ignore_eos=True, temperature=0, logprobs=0,
+                       on_event=on_event)
+        assert _tokens(n) and started.is_set()
+        _tokens(scored)
+    steps = [(s1 - s0, r1 - r0) for (s0, r0), (s1, r1) in zip(rows, rows[1:])]
+    assert steps and all(ds == 1 for ds, _ in steps), steps  # a token of the neighbour every step
+    assert all(dr <= 1 for _, dr in steps) and any(dr == 1 for _, dr in steps), steps
+
+
+def test_the_shares_are_serve_options_and_are_checked():
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    add_parsers(ap.add_subparsers())
+    args = ap.parse_args(["serve", "--request-slots", "2", "--request-step-seqs", "3", "--score-rows", "8",
+                          "--score-rows-shared", "1"])
+    opts = settings_from_args(args).engine_options()
+    assert (opts.request_slots, opts.request_step_seqs, opts.score_rows, opts.score_rows_shared) == (2, 3, 8, 1)
+    assert slot_limit(0, 1) == 1 and slot_limit(0, 4) == 3 and slot_limit(2, 4) == 2
+    for bad in (["--request-slots", "-1"], ["--request-step-seqs", "0"], ["--score-rows-shared", "0"]):
+        with pytest.raises(ParameterError, match=bad[0][2:].replace("-", "_")):
+            settings_from_args(ap.parse_args(["serve", *bad]))
+    with pytest.raises(ParameterError, match="request_step_seqs"):
+        lm.EngineOptions(request_step_seqs=0)
+
+
+def test_an_n16_request_through_the_server_leaves_a_slot_and_a_turn(tiny_model):
+    """Over HTTP: the sequences of one `n` request are one party. While it runs, a neighbour is admitted
+    and finishes within its own decode steps (counted from its submission to the engine to its end), and
+    the request's choices equal the same request's made alone."""
+    body = {"prompt": PROMPT, "n": SEQS, "max_tokens": 160, "ignore_eos": True, "temperature": 1.0,
+            "seed": 7, "return_token_ids": True}
+    with serving(tiny_model, parallel=PARALLEL, n_ctx=256) as (srv, eng, _state):
+        ref = httpx.post(srv.url + "/v1/completions", json=body, timeout=120).json()
+        sched, steps = eng.scheduler, {}
+        submit = sched.submit
+
+        def watched(req: Request) -> None:  # the neighbour's steps, read on the engine thread
+            if req.party is None:
+                steps["submitted"], listener = sched.stats["decode_steps"], req.on_event
+                steps["beside"] = sum(q.party is not None for q in sched.running + sched.waiting)
+
+                def on_event(kind: str, value: object) -> None:
+                    if kind == "done":
+                        steps["done"] = sched.stats["decode_steps"]
+                    if listener is not None:
+                        listener(kind, value)
+                req.on_event = on_event
+            submit(req)
+        sched.submit = watched
+        got: dict = {}
+        t = threading.Thread(target=lambda: got.update(httpx.post(
+            srv.url + "/v1/completions", json=body, timeout=120).json()))
+        t.start()
+        generated = sched.stats["generated_tokens"]
+        for _ in range(20000):  # until the n = 16 request has decoded a few steps
+            if sched.stats["generated_tokens"] >= generated + 8:
+                break
+            time.sleep(0.002)
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "the dog ran", "max_tokens": NEIGHBOUR,
+                                                          "ignore_eos": True, "temperature": 0}, timeout=120)
+        t.join(120)
+        left = sched.stats["generated_tokens"] - generated - SEQS * 160  # the neighbour's, once all is done
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == NEIGHBOUR == left
+    took = steps["done"] - steps["submitted"]
+    assert steps["beside"] >= PARALLEL - 1, steps  # it did arrive while the n = 16 request ran
+    assert took <= NEIGHBOUR + 2, steps  # its own steps, not a wave of the n = 16 request (160 steps)
+    assert [c["token_ids"] for c in got["choices"]] == [c["token_ids"] for c in ref["choices"]]
