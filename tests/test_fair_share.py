@@ -7,6 +7,7 @@ steps are counted with the scheduler's decode-step counter (no timings)."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections import Counter
@@ -41,7 +42,7 @@ class Trace:
 
         def on_event(kind: str, _value: object) -> None:
             if kind == "logprobs":  # one per generated token (logprobs=0 asks for them)
-                step = self.eng.scheduler.stats["decode_steps"]
+                step = self.eng.scheduler.stats.decode_steps
                 counts[step] += 1
                 if party == "big":
                     self.who.setdefault(step, []).append(seq)
@@ -80,7 +81,7 @@ def _run(tiny_model: Path, neighbour: bool, **options: object) -> tuple[Trace, l
         info: dict = {}
         if neighbour:
             assert started.wait(120)  # the n = 16 request is decoding: the neighbour arrives now
-            at = eng.scheduler.stats["decode_steps"]
+            at = eng.scheduler.stats.decode_steps
             n = eng.submit("the dog ran", max_tokens=NEIGHBOUR, ignore_eos=True, temperature=0, logprobs=0,
                            on_event=trace.listener("neighbour"))
             info = {"at": at, "tokens": _tokens(n), "last": max(trace.steps["neighbour"])}
@@ -147,7 +148,7 @@ def test_prompt_scoring_keeps_to_its_shared_rows_beside_a_neighbour(tiny_model):
 
         def on_event(kind: str, _value: object) -> None:
             if kind == "logprobs":
-                rows.append((eng.scheduler.stats["decode_steps"], len(scored.scoring.prompt)))
+                rows.append((eng.scheduler.stats.decode_steps, len(scored.scoring.prompt)))
                 started.set()
         n = eng.submit("the dog ran", max_tokens=NEIGHBOUR, ignore_eos=True, temperature=0, logprobs=0,
                        on_event=on_event)
@@ -188,30 +189,30 @@ def test_an_n16_request_through_the_server_leaves_a_slot_and_a_turn(tiny_model):
 
         def watched(req: Request) -> None:  # the neighbour's steps, read on the engine thread
             if req.party is None:
-                steps["submitted"], listener = sched.stats["decode_steps"], req.on_event
+                steps["submitted"], listener = sched.stats.decode_steps, req.input.on_event
                 steps["beside"] = sum(q.party is not None for q in sched.running + sched.waiting)
 
                 def on_event(kind: str, value: object) -> None:
                     if kind == "done":
-                        steps["done"] = sched.stats["decode_steps"]
+                        steps["done"] = sched.stats.decode_steps
                     if listener is not None:
                         listener(kind, value)
-                req.on_event = on_event
+                req.input = dataclasses.replace(req.input, on_event=on_event)
             submit(req)
         sched.submit = watched
         got: dict = {}
         t = threading.Thread(target=lambda: got.update(httpx.post(
             srv.url + "/v1/completions", json=body, timeout=120).json()))
         t.start()
-        generated = sched.stats["generated_tokens"]
+        generated = sched.stats.generated_tokens
         for _ in range(20000):  # until the n = 16 request has decoded a few steps
-            if sched.stats["generated_tokens"] >= generated + 8:
+            if sched.stats.generated_tokens >= generated + 8:
                 break
             time.sleep(0.002)
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": "the dog ran", "max_tokens": NEIGHBOUR,
                                                           "ignore_eos": True, "temperature": 0}, timeout=120)
         t.join(120)
-        left = sched.stats["generated_tokens"] - generated - SEQS * 160  # the neighbour's, once all is done
+        left = sched.stats.generated_tokens - generated - SEQS * 160  # the neighbour's, once all is done
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == NEIGHBOUR == left
     took = steps["done"] - steps["submitted"]
     assert steps["beside"] >= PARALLEL - 1, steps  # it did arrive while the n = 16 request ran
