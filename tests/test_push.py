@@ -3,6 +3,7 @@ versions are named in every response and can be asked for, bad pushes change not
 
 from __future__ import annotations
 
+import json
 import threading
 from contextlib import contextmanager
 from pathlib import Path
@@ -205,6 +206,39 @@ def test_every_protocol_names_the_versions(server):
             assert r.json()["adapter_versions"] == {"p": v}, path
     r = httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
     assert r.headers["x-loramux-adapter-versions"] == "" and r.json()["adapter_versions"] == {}
+
+
+def _sse_data(text: str) -> list[dict]:
+    return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+
+
+def test_streams_and_scored_bodies_name_the_versions(server):
+    """The paths of their own: Anthropic's stream (message_delta), chat/completions with logprobs or n > 1
+    (body and stream: each choice's last chunk) and a fan-out's choices carry the field and the header."""
+    srv, eng = server
+    v = eng.adapter("p").version
+    chat = {"model": "p", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}
+    r = httpx.post(srv.url + "/v1/messages", json={**chat, "stream": True}, timeout=120)
+    assert r.status_code == 200 and r.headers["x-loramux-adapter-versions"] == f"p={v}", r.text
+    deltas = [e for e in _sse_data(r.text) if e["type"] == "message_delta"]
+    assert [e["adapter_versions"] for e in deltas] == [{"p": v}], r.text
+    for extra in ({"logprobs": True, "top_logprobs": 2}, {"n": 2, "temperature": 1.0, "seed": 3}):
+        r = httpx.post(srv.url + "/v1/chat/completions", json={**chat, **extra}, timeout=120)
+        assert r.status_code == 200 and r.headers["x-loramux-adapter-versions"] == f"p={v}", r.text
+        assert r.json()["adapter_versions"] == {"p": v}, (extra, r.text)
+        r = httpx.post(srv.url + "/v1/chat/completions", json={**chat, **extra, "stream": True}, timeout=120)
+        assert r.status_code == 200 and r.headers["x-loramux-adapter-versions"] == f"p={v}", r.text
+        ends = [e for e in _sse_data(r.text) if e["choices"] and e["choices"][0]["finish_reason"]]
+        assert len(ends) == extra.get("n", 1) and all(e["adapter_versions"] == {"p": v} for e in ends), r.text
+    r = httpx.post(srv.url + "/v1/completions", timeout=120,
+                   json={"model": "p", "prompt": "hi", "max_tokens": 2, "logprobs": 1, "echo": True})
+    assert r.status_code == 200 and r.json()["adapter_versions"] == {"p": v}, r.text
+    r = httpx.post(srv.url + "/v1/completions", timeout=120, json={"model": "tiny", "prompt": "hi", "max_tokens": 2,
+                                                                   "adapter_sets": [{"lora": [{"name": "p", "scale": 1.0}]},
+                                                                                    {"lora": []}]})
+    assert r.status_code == 200, r.text
+    assert [c["adapter_versions"] for c in r.json()["choices"]] == [{"p": v}, {}], r.text
+    assert r.json()["adapter_versions"] == {"p": v}, r.text
 
 
 def test_requests_submitted_while_a_push_waits_run_on_the_new_version(tiny_model, tmp_path):
