@@ -269,3 +269,31 @@ def test_requests_submitted_while_a_push_waits_run_on_the_new_version(tiny_model
     assert running.completion.tokens == old.tokens and running.completion.versions == {"w": 0}
     assert pushed == [1] and after.versions == {"w": 1}
     assert after.tokens == ref.tokens != old.tokens
+
+
+def test_prefix_reuse_is_keyed_by_version(tiny_model, tmp_path):
+    """The slot's prompt KV is reused for the same prompt on the same version, never across a push: the
+    resent prompt decodes again (no tokens reused) and gives exactly a fresh load's tokens of the new factors."""
+    write_tiny_lora(tmp_path / "k.gguf", seed=11, rank=2, scale=0.8)
+    new = random_factors(rank=2, seed=12, scale=0.8)
+    write_adapter(tmp_path / "fresh.gguf", ARCH, new, 2.0)
+    prompt = " ".join([PROMPT, "and the dog ran far away from the old house by the river"] * 2)
+    kw = {"max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    with lm.Engine.load(tiny_model, n_ctx=512, n_parallel=1, n_threads=1, loras=[str(tmp_path / "k.gguf")]) as eng:
+
+        def run() -> tuple[list[int], int]:
+            before = eng.stats()["prompt_tokens_reused"]
+            c = eng.generate(prompt, loras={"k": 1.0}, **kw)
+            return c.tokens, eng.stats()["prompt_tokens_reused"] - before
+        old, _ = run()
+        again, reused_same = run()  # same version: the prefix comes from the slot's cache
+        assert eng.push_factors("k", new) == 1
+        pushed, reused_pushed = run()  # a new version: nothing of the old KV may be used
+        pushed_again, reused_new = run()
+        n_prompt = len(eng.tokenize(prompt))
+        fresh = eng.load_lora(tmp_path / "fresh.gguf", "fresh")
+        ref = eng.generate(prompt, loras={fresh.name: 1.0}, **kw)
+    assert reused_same == n_prompt - 1 and again == old  # the reuse this guards against does happen
+    assert reused_pushed == 0
+    assert pushed == ref.tokens != old
+    assert reused_new == n_prompt - 1 and pushed_again == ref.tokens
