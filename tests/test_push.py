@@ -294,6 +294,6 @@ def test_prefix_reuse_is_keyed_by_version(tiny_model, tmp_path):
         fresh = eng.load_lora(tmp_path / "fresh.gguf", "fresh")
         ref = eng.generate(prompt, loras={fresh.name: 1.0}, **kw)
     assert reused_same == n_prompt - 1 and again == old  # the reuse this guards against does happen
+    assert pushed == ref.tokens != old  # (first: a reused old-version prefix changes the tokens)
     assert reused_pushed == 0
-    assert pushed == ref.tokens != old
     assert reused_new == n_prompt - 1 and pushed_again == ref.tokens
