@@ -20,7 +20,8 @@ serving"). Its forwards run on a context of the job's own, one small piece per e
 costs at most `chunk` units (default 3: an unscored token is one unit, a scored one also pays the output
 projection, 1.7 units more on Gemma 3 270M), so a piece is about an eighth of a serving step of 8 streams;
 pieces take at most `share` (default 0.25) of the engine's time while requests are served, and at most one
-runs between two serving steps (with 8 streams that binds first: about 10–15 % of the engine's time).
+runs between two serving steps (with 8 streams that binds first: about 10 % of the engine's time, 8–12 %
+measured).
 The job's thread runs at nice 19 (its own thread id), and the log-softmax of the scored rows runs there,
 not on the engine thread. The job reports its steps per
 minute and `engine_share`, the fraction of its wall time the engine spent on its forwards. Bounds:

@@ -17,7 +17,8 @@ can lose to the job (docs/train.md, "Training beside serving"):
 - **At most one piece between two serving steps.** The engine starts its step as soon as it finds no
   command queued, right after the piece; the next piece comes after that wait, so after the step (for
   share ≤ 0.5 the wait is at least the piece's own time). With 8 streams a piece is an eighth of a step, so
-  this rule binds before the share does: the job takes about one piece per step, 10–15 % of the engine.
+  this rule binds before the share does: the job takes about one piece per step,
+  about 10 % of the engine (8–12 % measured).
 
 The log-softmax over the vocabulary happens on the job's thread, not the engine thread (the engine
 thread only copies the scored logit rows out). The job's thread itself runs at the lowest CPU
