@@ -1,6 +1,6 @@
 """Train and serve on one server: factor pushes over HTTP, and a fine-tuning job beside live streams.
 
-    python benchmarks/train_serve.py [--repeats 15] [--ranks 2,16,64] [--streams 8] [--seconds 20]
+    python benchmarks/train_serve.py [--repeats 15] [--ranks 2,16,64] [--streams 8] [--seconds 20] [--rounds 3]
 
 One real server (uvicorn on 127.0.0.1, the default Gemma 3 270M Q4_K_M), measured side by side:
 
@@ -16,13 +16,16 @@ adapter over every projection, back to back, and the streams' inter-token latenc
 same streams with no pushes.
 
 Part 3, a fine-tuning job (train zo, rank 8, default targets) beside the same streams: the streams'
-inter-token p50/p99 against no job, and the job's steps per minute against the job alone.
+inter-token p50/p99 against no job, and the job's steps per minute against the job alone, in `--rounds`
+side-by-side rounds (the median p99 ratio reported), with the job's engine share (its forwards' time
+over its wall time).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -138,8 +141,8 @@ def part2(srv: Any, shapes: dict[str, tuple[int, int]], streams: int, seconds: f
 
 
 def run_job(c: Client, base: str, fid: str, steps: int, share: float, chunk: int,
-            deadline: float | None = None) -> float:
-    """Run a job until it ends or `deadline` (then cancel it); its steps per minute."""
+            deadline: float | None = None) -> tuple[float, float]:
+    """Run a job until it ends or `deadline` (then cancel it); its steps per minute and engine share."""
     job = c.create_job(fid, model=base, suffix=f"job{time.monotonic_ns() % 10**8}",
                        hyperparameters={"steps": steps, "rank": 8, "share": share, "chunk": chunk})
     t0 = time.perf_counter()
@@ -149,20 +152,34 @@ def run_job(c: Client, base: str, fid: str, steps: int, share: float, chunk: int
             break
         time.sleep(0.1)
     done = sum(1 for e in c.events(job["id"]) if "train_loss" in e["data"])
-    print(f"job {job['id']}: {done} steps, {c.job(job['id'])['status']}", file=sys.stderr)
-    return done / (time.perf_counter() - t0) * 60
+    body = c.job(job["id"])
+    print(f"job {job['id']}: {done} steps, {body['status']}, engine share {body.get('engine_share')}", file=sys.stderr)
+    return done / (time.perf_counter() - t0) * 60, float(body.get("engine_share") or 0.0)
 
 
-def part3(srv: Any, base: str, streams: int, seconds: float, share: float, chunk: int) -> list[list[str]]:
+def part3(srv: Any, base: str, streams: int, seconds: float, share: float, chunk: int,
+          rounds: int) -> list[list[str]]:
+    """`rounds` times, side by side: the streams alone, the job alone, the streams beside the job."""
     c = Client(srv.url, api_key=KEY)
     fid = c.upload_file(DATA)["id"]
-    alone = run_job(c, base, fid, 10_000, share, chunk, time.perf_counter() + seconds)
-    quiet, _ = with_streams(srv.url, streams, seconds)
-    busy, beside = with_streams(srv.url, streams, seconds, lambda dl: run_job(c, base, fid, 10_000, share, chunk, dl))
-    return [["streams alone", C.fmt(pct(quiet, 50), 1), C.fmt(pct(quiet, 99), 1), "1.00×", "–"],
-            ["job alone", "–", "–", "–", f"{alone:.1f}"],
-            [f"streams + job (share {share}, chunk {chunk})", C.fmt(pct(busy, 50), 1), C.fmt(pct(busy, 99), 1),
-             f"{C.ratio(pct(busy, 99), pct(quiet, 99)):.2f}×", f"{beside:.1f}"]]
+    rows, ratios, alone_rates, beside_rates = [], [], [], []
+    for k in range(rounds):
+        load = os.getloadavg()[0]
+        quiet, _ = with_streams(srv.url, streams, seconds)
+        alone, _ = run_job(c, base, fid, 10_000, share, chunk, time.perf_counter() + seconds)
+        busy, (beside, used) = with_streams(srv.url, streams, seconds,
+                                            lambda dl: run_job(c, base, fid, 10_000, share, chunk, dl))
+        r = C.ratio(pct(busy, 99), pct(quiet, 99))
+        ratios.append(r)
+        alone_rates.append(alone)
+        beside_rates.append(beside)
+        rows += [[f"round {k + 1} (load {load:.1f}): streams alone", C.fmt(pct(quiet, 50), 1),
+                  C.fmt(pct(quiet, 99), 1), "1.00×", "–", f"{alone:.1f}", "–"],
+                 [f"round {k + 1}: streams + job", C.fmt(pct(busy, 50), 1), C.fmt(pct(busy, 99), 1), f"{r:.2f}×",
+                  f"{beside:.1f}", "", f"{used:.2f}"]]
+    rows.append([f"median of {rounds} (share {share}, chunk {chunk})", "", "", f"{C.median(ratios):.2f}×",
+                 f"{C.median(beside_rates):.1f}", f"{C.median(alone_rates):.1f}", ""])
+    return rows
 
 
 def main() -> None:
@@ -172,7 +189,8 @@ def main() -> None:
     p.add_argument("--streams", type=int, default=8)
     p.add_argument("--seconds", type=float, default=20.0)
     p.add_argument("--share", type=float, default=0.25, help="the training job's share of the engine thread")
-    p.add_argument("--chunk", type=int, default=16, help="the job's tokens per engine command")
+    p.add_argument("--chunk", type=int, default=3, help="the job's cost units per engine command")
+    p.add_argument("--rounds", type=int, default=3, help="part 3's side-by-side rounds (medians reported)")
     p.add_argument("--parts", default="1,2,3")
     args = p.parse_args()
     model = C.model_path(args.model)
@@ -218,8 +236,9 @@ def run_parts(args: argparse.Namespace, srv: Any, work: Path, shapes: dict[str, 
                       part2(srv, shapes, args.streams, args.seconds))
     if 3 in parts:
         C.print_table(f"A fine-tuning job beside {args.streams} streams ({args.seconds:.0f} s each)",
-                      ["", "gap p50 ms", "gap p99 ms", "p99 vs alone", "job steps/min"],
-                      part3(srv, base, args.streams, args.seconds, args.share, args.chunk))
+                      ["", "gap p50 ms", "gap p99 ms", "p99 vs alone", "job steps/min beside", "job alone",
+                       "engine share"],
+                      part3(srv, base, args.streams, args.seconds, args.share, args.chunk, args.rounds))
 
 
 if __name__ == "__main__":

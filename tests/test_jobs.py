@@ -127,6 +127,7 @@ def test_continuing_a_loaded_adapter_pushes_a_new_version(server):
         job = c.wait(c.create_job(fid, model="cont", hyperparameters={"steps": 3, "publish_every": 1})["id"])
         assert job["status"] == "succeeded", job["error"]
         assert job["adapter_versions"] == [v0 + 1, v0 + 2, v0 + 3]
+        assert job["steps_per_minute"] > 0 and 0 < job["engine_share"] <= 1, job
         assert c.adapter("cont")["version"] == v0 + 3
         ckpts = c.http.get(f"/v1/fine_tuning/jobs/{job['id']}/checkpoints").json()["data"]
     last = max(ckpts, key=lambda x: x["step_number"])
@@ -227,3 +228,22 @@ def test_paced_losses_are_the_engines(tiny_model, tiny_dir):
         small.close()
     assert got == want
     assert chunked[1] == want[1] and abs(chunked[0] - want[0]) <= 1e-3 * abs(want[0])
+
+
+def test_pieces_are_cost_bounded():
+    """A piece holds at most `budget` cost units (a scored token costs 1 + head), at least one token, and the
+    pieces cover the tokens in order."""
+    from loramux.train.paced import pieces
+
+    assert pieces(6, [False, False, True, True, False, False], 3, 1.7) == [(0, 2), (2, 3), (3, 4), (4, 6)]
+    assert pieces(3, [True, True, True], 2, 1.7) == [(0, 1), (1, 2), (2, 3)]  # over budget alone: one token
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        n = int(rng.integers(1, 40))
+        want = [bool(x) for x in rng.random(n) < 0.3]
+        budget, head = float(rng.integers(1, 8)), float(rng.random() * 3)
+        got = pieces(n, want, budget, head)
+        assert [a for a, _ in got] == [0] + [b for _, b in got[:-1]] and got[-1][1] == n
+        for a, b in got:
+            cost = sum(1.0 + (head if want[i] else 0.0) for i in range(a, b))
+            assert b > a and (b - a == 1 or cost <= budget), (a, b, cost, budget)

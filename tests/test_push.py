@@ -3,6 +3,7 @@ versions are named in every response and can be asked for, bad pushes change not
 
 from __future__ import annotations
 
+import json
 import threading
 from contextlib import contextmanager
 from pathlib import Path
@@ -207,6 +208,39 @@ def test_every_protocol_names_the_versions(server):
     assert r.headers["x-loramux-adapter-versions"] == "" and r.json()["adapter_versions"] == {}
 
 
+def _sse_data(text: str) -> list[dict]:
+    return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+
+
+def test_streams_and_scored_bodies_name_the_versions(server):
+    """The paths of their own: Anthropic's stream (message_delta), chat/completions with logprobs or n > 1
+    (body and stream: each choice's last chunk) and a fan-out's choices carry the field and the header."""
+    srv, eng = server
+    v = eng.adapter("p").version
+    chat = {"model": "p", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}
+    r = httpx.post(srv.url + "/v1/messages", json={**chat, "stream": True}, timeout=120)
+    assert r.status_code == 200 and r.headers["x-loramux-adapter-versions"] == f"p={v}", r.text
+    deltas = [e for e in _sse_data(r.text) if e["type"] == "message_delta"]
+    assert [e["adapter_versions"] for e in deltas] == [{"p": v}], r.text
+    for extra in ({"logprobs": True, "top_logprobs": 2}, {"n": 2, "temperature": 1.0, "seed": 3}):
+        r = httpx.post(srv.url + "/v1/chat/completions", json={**chat, **extra}, timeout=120)
+        assert r.status_code == 200 and r.headers["x-loramux-adapter-versions"] == f"p={v}", r.text
+        assert r.json()["adapter_versions"] == {"p": v}, (extra, r.text)
+        r = httpx.post(srv.url + "/v1/chat/completions", json={**chat, **extra, "stream": True}, timeout=120)
+        assert r.status_code == 200 and r.headers["x-loramux-adapter-versions"] == f"p={v}", r.text
+        ends = [e for e in _sse_data(r.text) if e["choices"] and e["choices"][0]["finish_reason"]]
+        assert len(ends) == extra.get("n", 1) and all(e["adapter_versions"] == {"p": v} for e in ends), r.text
+    r = httpx.post(srv.url + "/v1/completions", timeout=120,
+                   json={"model": "p", "prompt": "hi", "max_tokens": 2, "logprobs": 1, "echo": True})
+    assert r.status_code == 200 and r.json()["adapter_versions"] == {"p": v}, r.text
+    r = httpx.post(srv.url + "/v1/completions", timeout=120, json={"model": "tiny", "prompt": "hi", "max_tokens": 2,
+                                                                   "adapter_sets": [{"lora": [{"name": "p", "scale": 1.0}]},
+                                                                                    {"lora": []}]})
+    assert r.status_code == 200, r.text
+    assert [c["adapter_versions"] for c in r.json()["choices"]] == [{"p": v}, {}], r.text
+    assert r.json()["adapter_versions"] == {"p": v}, r.text
+
+
 def test_requests_submitted_while_a_push_waits_run_on_the_new_version(tiny_model, tmp_path):
     """Engine level: a push waits for the stream on the old version; a request submitted meanwhile is held
     and runs on the pushed factors (its completion names the new version and has a fresh load's tokens)."""
@@ -235,3 +269,31 @@ def test_requests_submitted_while_a_push_waits_run_on_the_new_version(tiny_model
     assert running.completion.tokens == old.tokens and running.completion.versions == {"w": 0}
     assert pushed == [1] and after.versions == {"w": 1}
     assert after.tokens == ref.tokens != old.tokens
+
+
+def test_prefix_reuse_is_keyed_by_version(tiny_model, tmp_path):
+    """The slot's prompt KV is reused for the same prompt on the same version, never across a push: the
+    resent prompt decodes again (no tokens reused) and gives exactly a fresh load's tokens of the new factors."""
+    write_tiny_lora(tmp_path / "k.gguf", seed=11, rank=2, scale=0.8)
+    new = random_factors(rank=2, seed=12, scale=0.8)
+    write_adapter(tmp_path / "fresh.gguf", ARCH, new, 2.0)
+    prompt = " ".join([PROMPT, "and the dog ran far away from the old house by the river"] * 2)
+    kw = {"max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    with lm.Engine.load(tiny_model, n_ctx=512, n_parallel=1, n_threads=1, loras=[str(tmp_path / "k.gguf")]) as eng:
+
+        def run() -> tuple[list[int], int]:
+            before = eng.stats()["prompt_tokens_reused"]
+            c = eng.generate(prompt, loras={"k": 1.0}, **kw)
+            return c.tokens, eng.stats()["prompt_tokens_reused"] - before
+        old, _ = run()
+        again, reused_same = run()  # same version: the prefix comes from the slot's cache
+        assert eng.push_factors("k", new) == 1
+        pushed, reused_pushed = run()  # a new version: nothing of the old KV may be used
+        pushed_again, reused_new = run()
+        n_prompt = len(eng.tokenize(prompt))
+        fresh = eng.load_lora(tmp_path / "fresh.gguf", "fresh")
+        ref = eng.generate(prompt, loras={fresh.name: 1.0}, **kw)
+    assert reused_same == n_prompt - 1 and again == old  # the reuse this guards against does happen
+    assert pushed == ref.tokens != old  # (first: a reused old-version prefix changes the tokens)
+    assert reused_pushed == 0
+    assert reused_new == n_prompt - 1 and pushed_again == ref.tokens

@@ -296,9 +296,16 @@ def _full_body(group: Group, completions: list[Completion], pieces: Pieces) -> d
             choice["prompt_token_ids"] = list(group.prompts[i])
         if group.sets is not None:
             choice["adapter_set"] = group.sets[i]
+            choice["adapter_versions"] = c.versions
         choices.append(choice)
     return {"id": group.prefix + group.id, "object": group.obj, "created": group.created, "model": group.model,
-            "system_fingerprint": SYSTEM_FINGERPRINT, "choices": choices, "usage": _usage(group, completions)}
+            "system_fingerprint": SYSTEM_FINGERPRINT, "choices": choices, "usage": _usage(group, completions),
+            "adapter_versions": _versions(completions)}
+
+
+def _versions(completions: Sequence[Completion]) -> dict[str, int]:
+    """The adapter versions the sequences ran on, all together (as the x-loramux-adapter-versions header)."""
+    return {name: v for c in completions for name, v in c.versions.items()}
 
 
 def _usage(group: Group, completions: Sequence[Completion]) -> dict[str, Any]:
@@ -404,7 +411,7 @@ class _Choice:
 
 def _chunk(group: Group, index: int, text: str | None, entries: list[TokenLogprob] | None, pieces: Pieces,
            st: _Choice, reason: str | None = None, role: bool = False,
-           tool_calls: list[dict[str, Any]] | None = None) -> str:
+           tool_calls: list[dict[str, Any]] | None = None, versions: dict[str, int] | None = None) -> str:
     body = group.body
     if group.chat:
         delta: dict[str, Any] = {"role": "assistant"} if role else {}
@@ -425,8 +432,11 @@ def _chunk(group: Group, index: int, text: str | None, entries: list[TokenLogpro
         obj = "text_completion"
     if group.sets is not None:
         choice["adapter_set"] = group.sets[index // group.per_prompt]
-    return _sse({"id": group.prefix + group.id, "object": obj, "created": group.created, "model": group.model,
-                 "system_fingerprint": SYSTEM_FINGERPRINT, "choices": [choice]})
+    out = {"id": group.prefix + group.id, "object": obj, "created": group.created, "model": group.model,
+           "system_fingerprint": SYSTEM_FINGERPRINT, "choices": [choice]}
+    if versions is not None:  # a choice's last chunk: the adapter versions it ran on
+        out["adapter_versions"] = versions
+    return _sse(out)
 
 
 async def _merged(group: Group) -> AsyncIterator[tuple[int, str, Any]]:
@@ -505,7 +515,8 @@ async def _tail(group: Group, k: int, c: Completion, pieces: Pieces, st: _Choice
             yield _chunk(group, k, None, None, pieces, st,
                          tool_calls=[{"index": i, "function": {"arguments": call["function"]["arguments"]}}])
     reason = "length" if c.finish_reason == "length" else "tool_calls" if calls else "stop"
-    yield await asyncio.to_thread(_chunk, group, k, None if group.chat else "", entries, pieces, st, reason)
+    yield await asyncio.to_thread(_chunk, group, k, None if group.chat else "", entries, pieces, st, reason,
+                                  versions=c.versions)
 
 
 async def _stream(group: Group) -> AsyncIterator[str]:

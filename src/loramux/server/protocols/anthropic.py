@@ -279,7 +279,8 @@ def _sse(event: str, data: dict[str, Any]) -> str:
 
 async def stream(op: Opened, managed: bool = False) -> AsyncIterator[str]:
     """Anthropic's event sequence: message_start, the content blocks (text deltas, then tool_use blocks with
-    their input as JSON deltas), message_delta with the stop reason and usage, message_stop."""
+    their input as JSON deltas), message_delta with the stop reason, usage and loramux's adapter_versions,
+    message_stop."""
     job = op.job
     yield _sse("message_start", {"message": {
         "id": "msg_" + op.id, "type": "message", "role": "assistant", "model": job.model, "content": [],
@@ -308,7 +309,7 @@ async def stream(op: Opened, managed: bool = False) -> AsyncIterator[str]:
                     yield _sse("content_block_stop", {"index": index})
                     index += 1
                 delta = {"delta": {"stop_reason": _STOP[r.finish], "stop_sequence": r.stop_sequence},
-                         "usage": {"output_tokens": r.completion_tokens}}
+                         "usage": {"output_tokens": r.completion_tokens}, "adapter_versions": r.versions}
                 if managed:
                     delta["context_management"] = {"applied_edits": []}
                 yield _sse("message_delta", delta)
