@@ -282,9 +282,9 @@ def test_prefix_reuse_is_keyed_by_version(tiny_model, tmp_path):
     with lm.Engine.load(tiny_model, n_ctx=512, n_parallel=1, n_threads=1, loras=[str(tmp_path / "k.gguf")]) as eng:
 
         def run() -> tuple[list[int], int]:
-            before = eng.stats()["prompt_tokens_reused"]
+            before = eng.stats().prompt_tokens_reused
             c = eng.generate(prompt, loras={"k": 1.0}, **kw)
-            return c.tokens, eng.stats()["prompt_tokens_reused"] - before
+            return c.tokens, eng.stats().prompt_tokens_reused - before
         old, _ = run()
         again, reused_same = run()  # same version: the prefix comes from the slot's cache
         assert eng.push_factors("k", new) == 1
