@@ -364,7 +364,7 @@ def _submitted_together(eng, specs):
     for t in threads:
         t.start()
     deadline = time.monotonic() + 10
-    while eng._commands.qsize() < len(specs) and time.monotonic() < deadline:  # each submit is a command
+    while eng.commands.pending() < len(specs) and time.monotonic() < deadline:  # each submit is a command
         time.sleep(0.01)
     gate.set()
     held.result()

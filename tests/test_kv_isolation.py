@@ -200,7 +200,7 @@ def submitted_together(eng: lm.Engine, specs: list[tuple[str, dict, int]]) -> li
         t = threading.Thread(target=submit, args=(i,))
         t.start()
         deadline = time.monotonic() + 10
-        while eng._commands.qsize() < i + 1 and time.monotonic() < deadline:
+        while eng.commands.pending() < i + 1 and time.monotonic() < deadline:
             time.sleep(0.01)
         threads.append(t)
     gate.set()

@@ -7,12 +7,17 @@ probes pass around. Importing this module does not load llama.cpp.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from .. import _native as N
 from ..errors import ParameterError
 from .scoring import SCORE_ROWS, SCORE_ROWS_SHARED
+
+if TYPE_CHECKING:
+    from .model import Model
 
 KV_TYPES = ("f16", "f32", "bf16", "q8_0")
 #: Default bound of the slot bank's warm tier (engine/residency.py): ~65 rank-8 F32 adapters of Gemma 3 270M.
@@ -152,5 +157,21 @@ def parse_endpoints(values: str | Sequence[str], option: str = "rpc") -> tuple[s
     return out
 
 
+def check_deterministic(model: Model | None, flash_attn: bool, kv_unified: bool) -> None:
+    """Refuse settings that make a sequence's arithmetic depend on its batch."""
+    problems = []
+    if flash_attn:
+        problems.append("flash attention takes other code paths for long caches and large prefills")
+    if kv_unified:
+        problems.append("a unified KV cache puts a sequence's tokens in batch-dependent cells")
+    if model is not None and model.handle.repack:
+        problems.append("the model was loaded with repacked weights (load it with repack=False)")
+    if model is not None and os.environ.get(N.TILED_ENV) != "0":
+        problems.append(f"{N.TILED_ENV} is not 0 (ggml's tiled matmul is batch-variant)")
+    if problems:
+        raise ParameterError("deterministic", "these settings are not batch-invariant: " + "; ".join(problems),
+                             hint="use Engine.load(..., deterministic=True), which sets all of this up")
+
+
 __all__ = ["BANK_NODE_ACCESS", "DEFAULT_ADAPTER_CACHE_BYTES", "EngineOptions", "KV_TYPES", "bank_size",
-           "parse_endpoint", "parse_endpoints"]
+           "check_deterministic", "parse_endpoint", "parse_endpoints"]

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import queue
 import threading
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from concurrent.futures import Future
@@ -22,19 +21,21 @@ import numpy as np
 
 from .. import _native as N
 from .. import config
-from ..errors import AdapterError, AdapterVersionError, ContextLengthError, EngineClosedError, ParameterError
+from ..errors import AdapterError, ContextLengthError, EngineClosedError, ParameterError
 from ..sources import resolve
 from . import rpc
 from .adapters import CheckedAdapter, LoRAAdapter
 from .bank import SlotBank
 from .chat import ChatTemplate, special_texts, tokenize_chat, user_strings
+from .commands import CommandQueue, pass_failure
 from .control import ControlSetting, ControlSource
+from .evaluation import Evaluator
 from .grammar import ActiveGrammar, Grammar
 from .kv_guard import KvGuard
 from .model import Context, ContextOptions, Model, default_threads
-from .options import EngineOptions
+from .options import EngineOptions, check_deterministic
 from .phases import alora_phases
-from .registry import AdapterSet, LoraArg, Registry, check_scale, requested_names
+from .registry import LoraArg, Registry, check_scale, requested_names
 from .residency import LoadedTier
 from .sampling import Completion, SamplingParams
 from .scheduler import Request, RequestInput, Scheduler
@@ -42,7 +43,7 @@ from .scoring import Scoring, TokenLogprob, score_many
 from .specs import ControlArg, Inherit, LoraSpec, adapter_name
 from .stats import EngineStats
 from .streams import TextStream
-from .versions import PushGate, check_factors, must_check
+from .versions import PushGate, check_factors, check_versions, must_check
 
 T = TypeVar("T")
 log = logging.getLogger("loramux")
@@ -67,7 +68,7 @@ class Engine:
                               cache_bytes=opts.adapter_cache_bytes, run=self.call) if opts.slots else None)
         self.deterministic = opts.deterministic
         if opts.deterministic:
-            _check_deterministic(model, opts.flash_attn, opts.kv_unified)
+            check_deterministic(model, opts.flash_attn, opts.kv_unified)
         # Deterministic serving keeps one KV stream per sequence; the bank then plans its masks from
         # llama.cpp's per-sequence ubatch split (bank.plan_ubatches).
         unified = opts.kv_unified or (self.bank is not None and not opts.deterministic)
@@ -89,21 +90,14 @@ class Engine:
         self.loaded = LoadedTier(model, self.registry, opts.max_loaded, users=self.scheduler.users,
                                  load=lambda checked, cold: self._register(checked, cold.name, cold.source),
                                  unload=self._retire)
-        self._eval_ctx: Context | None = None
-        self._eval_risky = False  # the evaluation context last ran a risky adapter set (kv_guard.py)
+        self.evaluator = Evaluator(model, self._eval_opts, self.registry, self.loaded.use_now,
+                                   self.scheduler.guard)  # logits and losses apart from serving
         self.control: ControlSetting | None = None  # default control-vector setting (see control.py)
         self._retired: list[LoRAAdapter] = []
         self.pushes = PushGate()  # factor pushes waiting for their adapters' earlier requests (versions.py)
-        self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = queue.SimpleQueue()
-        self._wake = threading.Event()
-        # held by the engine thread while it runs commands or a step, or by a caller running work between
-        # decodes (call_between_decodes, which records that caller in _between_owner so that work it
-        # nests, such as a push's in-place write, runs inline instead of hopping to the blocked engine)
-        self._busy = threading.Lock()
-        self._between_owner: int | None = None
-        self._closed = False
-        self.lost: Exception | None = None  # set when the RPC workers holding the model were lost
+        self.commands = CommandQueue()  # how other threads reach the engine thread (commands.py)
         self._thread = threading.Thread(target=self._loop, name="loramux-engine", daemon=True)
+        self.commands.thread = self._thread
         self._thread.start()
 
     # ------------------------------------------------------------------ construction
@@ -127,7 +121,7 @@ class Engine:
         path = config.default_model_path() if model is None else Path(model).expanduser()
         if opts.deterministic:
             if opts.flash_attn or opts.kv_unified:
-                _check_deterministic(None, opts.flash_attn, opts.kv_unified)
+                check_deterministic(None, opts.flash_attn, opts.kv_unified)
             N.enable_batch_invariant_kernels()
         devices = rpc.connect(opts.rpc) if opts.rpc else []  # typed errors here, before llama.cpp connects
         m = Model(path, n_gpu_layers=(opts.n_gpu_layers or -1) if opts.rpc else opts.n_gpu_layers,
@@ -165,16 +159,17 @@ class Engine:
 
     # ------------------------------------------------------------------ engine thread
     def _loop(self) -> None:
+        cmds = self.commands
         while True:
-            with self._busy:
-                self._run_commands()
+            with cmds.busy:
+                cmds.run_pending()
                 self.loaded.settle()
                 if self.pushes.pending:
                     self.pushes.service(self.scheduler)
-            if self._closed:
+            if cmds.closed:
                 break
             if self.scheduler.has_work():
-                with self._busy:
+                with cmds.busy:
                     try:
                         self.scheduler.step()
                     except Exception as e:  # noqa: BLE001 - keep serving; fail only the requests involved
@@ -183,99 +178,50 @@ class Engine:
                     self._free_retired()
                     self.loaded.settle()  # requests finished: evict past max_loaded, let waiting submits in
             else:
-                self._wake.wait(0.5)
-                self._wake.clear()
+                cmds.idle_wait(0.5)
         # commands queued after close() began are answered, never left hanging
-        self._drain_commands(EngineClosedError("the engine was closed"))
+        cmds.drain(EngineClosedError("the engine was closed"))
 
-    def _drain_commands(self, error: Exception) -> None:
-        while True:
-            try:
-                item = self._commands.get_nowait()
-            except queue.Empty:
-                break
-            if item is not None:
-                item[1].set_exception(error)
+    @property
+    def lost(self) -> Exception | None:
+        """The typed RpcError once the RPC workers holding the model were lost, else None."""
+        return self.commands.lost
 
     def fail_lost(self, message: str) -> None:
         """The RPC workers' connection broke (called by engine/rpc.py on a llama.cpp thread): fail every
         request and command with a typed RpcError and refuse new ones. The engine thread is parked in
         llama.cpp for good, so nothing can be freed: the process must be replaced (the server does it)."""
-        if self._closed and not self._thread.is_alive():
+        if self.commands.closed and not self._thread.is_alive():
             return  # closed before the loss: nothing of it is left to fail
-        self.lost = rpc.lost_error(message)
-        self._closed = True
-        self.scheduler.fail_all(self.lost)
-        self._drain_commands(self.lost)
-        self.loaded.close(self.lost)
+        lost = self.commands.lost = rpc.lost_error(message)
+        self.commands.closed = True
+        self.scheduler.fail_all(lost)
+        self.commands.drain(lost)
+        self.loaded.close(lost)
 
     @property
     def closed(self) -> bool:
         """True once close() began or the engine thread is gone."""
-        return self._closed or not self._thread.is_alive()
-
-    def _run_commands(self) -> None:
-        while True:
-            try:
-                item = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            if item is None:
-                self._closed = True
-                continue
-            fn, fut = item
-            if fut.set_running_or_notify_cancel():
-                try:
-                    fut.set_result(fn())
-                except BaseException as e:  # noqa: BLE001 - handed to the caller
-                    fut.set_exception(e)
+        return self.commands.closed or not self._thread.is_alive()
 
     def call(self, fn: Callable[[], T]) -> T:
         """Run `fn` on the engine thread between decodes and return its result (re-raising its error)."""
-        if threading.current_thread() is self._thread:
-            return fn()
-        return self.call_async(fn).result()
+        return self.commands.call(fn)
 
     def call_between_decodes(self, fn: Callable[[], T]) -> T:
-        """Run `fn` between decodes: the one hop of in-place factor writes and reads (factor_writer.py).
-
-        On the engine thread, or nested in another call_between_decodes: at once. When the engine is
-        idle (no command queued, no step running): at once on this thread, with the engine's lock held,
-        so no decode or command can start; this saves the two thread switches of a hop (about
-        0.1–0.2 ms). Otherwise like call(). `fn` must not wait for the engine.
-        """
-        me = threading.get_ident()
-        if threading.current_thread() is self._thread or self._between_owner == me:
-            return fn()
-        if self._commands.empty() and self._busy.acquire(blocking=False):
-            self._between_owner = me
-            try:
-                if self._closed:
-                    raise self.lost or EngineClosedError("the engine is closed")
-                return fn()
-            finally:
-                self._between_owner = None
-                self._busy.release()
-        return self.call(fn)
+        """Run `fn` between decodes: the one hop of in-place factor writes and reads (factor_writer.py);
+        at once on the caller's thread when the engine is idle (see engine/commands.py)."""
+        return self.commands.call_between_decodes(fn)
 
     def call_async(self, fn: Callable[[], T]) -> Future[T]:
-        """Queue `fn` for the engine thread and return its Future at once, without waiting.
-
-        Commands run in the order they were queued; the server relies on this to order a request's
-        submit against an adapter's removal.
-        """
-        if self._closed:
-            raise self.lost or EngineClosedError("the engine is closed")
-        fut: Future[T] = Future()
-        self._commands.put((fn, fut))
-        self._wake.set()
-        return fut
+        """Queue `fn` for the engine thread and return its Future at once; commands run in queue order."""
+        return self.commands.call_async(fn)
 
     def _free_retired(self) -> None:
         for a in list(self._retired):
             if not self.scheduler.uses(a):
                 self._retired.remove(a)
-                for c in (self.ctx, self._eval_ctx):
+                for c in (self.ctx, self.evaluator.ctx):
                     if c is not None and c.handle.uses_adapter(a.handle):
                         c.handle.set_adapters([], [])
                 if self.bank is not None:
@@ -501,7 +447,7 @@ class Engine:
             phases, alora = alora_phases(aset, cv, tokens)
             for ph in phases:  # pinned to the versions they will run on (a waiting push lands first)
                 ph.adapters = self.pushes.pin(ph.adapters)
-            _check_versions(versions, {a.name: self.pushes.target(a) for a, _ in aset.items})
+            check_versions(versions, {a.name: self.pushes.target(a) for a, _ in aset.items})
             req = Request(RequestInput(tokens, params, phases, alora, on_event=on_event, share=share,
                                        shown=frozenset(shown), stop_tokens=frozenset(stop_tokens), party=party),
                           grammar=grammar, scoring=Scoring.wanted(params.prompt_logprobs, params.logprobs))
@@ -514,7 +460,7 @@ class Engine:
 
         names = requested_names(loras, self.registry.active)
         fut: Future[Request] = Future()
-        if threading.current_thread() is self._thread:
+        if self.commands.on_thread():
             self.loaded.enter(names, {}, build, fut, wait=False)
             return fut
         prepared = self.loaded.prepare(names)  # parsing stays off the engine thread
@@ -524,7 +470,7 @@ class Engine:
             for c in prepared.values():
                 c.close()
             raise
-        cmd.add_done_callback(lambda f: _pass_failure(f, fut))
+        cmd.add_done_callback(lambda f: pass_failure(f, fut))
         return fut
 
     def generate(self, prompt: str | Sequence[int], *, loras: LoraArg = None, **sampling: Any) -> Completion:
@@ -574,23 +520,13 @@ class Engine:
         of `Engine.loss`."""
         return score_many(self, prompts, loras, top_logprobs, control)
 
-    # ------------------------------------------------------------------ evaluation
-    def _eval(self) -> Context:
-        if self._eval_ctx is None:
-            self._eval_ctx = Context(self.model, self._eval_opts)
-        return self._eval_ctx
-
+    # ------------------------------------------------------------------ evaluation (evaluation.py)
     def logits(self, prompt: str | Sequence[int], *, loras: LoraArg = None, control: ControlArg = Inherit.ENGINE) -> np.ndarray:
         """Logits of every position (n_tokens × n_vocab), one sequence alone in its own context."""
         tokens = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-        self._eval_opts_check(len(tokens))
-
-        def run() -> np.ndarray:
-            ctx = self._prepare_eval(loras, control)
-            out = ctx.prefill(0, tokens, all_logits=True)
-            assert out is not None
-            return out
-        return self.call(run)
+        self._check_eval_length(len(tokens))
+        cv = self.control if control is Inherit.ENGINE else control
+        return self.call(lambda: self.evaluator.logits(tokens, loras, cv))
 
     def loss(self, texts: str | Sequence[str] | Sequence[Sequence[int]], *, loras: LoraArg = None,
              masks: Sequence[Sequence[bool]] | None = None, control: ControlArg = Inherit.ENGINE) -> float:
@@ -604,38 +540,13 @@ class Engine:
         items = [texts] if isinstance(texts, str) else list(texts)
         toks = [self.tokenize(t) if isinstance(t, str) else list(t) for t in items]
         for t in toks:
-            self._eval_opts_check(len(t))
+            self._check_eval_length(len(t))
+        cv = self.control if control is Inherit.ENGINE else control
+        return self.call(lambda: self.evaluator.loss_sum(toks, masks, loras, cv))
 
-        def run() -> tuple[float, int]:
-            ctx = self._prepare_eval(loras, control)
-            total, count = 0.0, 0
-            for i, t in enumerate(toks):
-                ctx.clear(0)
-                s, c = ctx.token_nll(0, t, masks[i] if masks is not None else None)
-                total += s
-                count += c
-            return total, count
-        return self.call(run)
-
-    def _eval_opts_check(self, n: int) -> None:
+    def _check_eval_length(self, n: int) -> None:
         if n > self.n_ctx:
             raise ContextLengthError(n, self.n_ctx)
-
-    def _prepare_eval(self, loras: LoraArg, control: ControlArg) -> Context:
-        ctx = self._eval()
-        self.loaded.use_now(requested_names(loras, self.registry.active))  # evicted ones loaded again
-        aset: AdapterSet = self.registry.adapter_set(loras)
-        if self._eval_risky:  # the last evaluation's cells may hold out-of-range K/V: zero the data
-            ctx.clear()
-        self._eval_risky = self.scheduler.guard is not None and self.scheduler.guard.risky([aset])
-        ctx.handle.set_adapters([a.handle for a, _ in aset.items], [s for _, s in aset.items])
-        cv = self.control if control is Inherit.ENGINE else control
-        if cv is None:
-            ctx.handle.set_control_vector(None, self.model.n_embd, 0, 0)
-        else:
-            cv.apply(ctx.handle)
-        ctx.clear(0)
-        return ctx
 
     # ------------------------------------------------------------------ lifecycle
     def stats(self) -> EngineStats:
@@ -644,22 +555,20 @@ class Engine:
 
     def close(self) -> None:
         """Stop the engine thread, fail queued requests, free adapters, contexts and the model. Idempotent."""
-        if (self._closed and not self._thread.is_alive()) or self.lost:
+        if (self.commands.closed and not self._thread.is_alive()) or self.lost:
             return  # lost: the engine thread and every native handle are stuck in llama.cpp
         if self._thread.is_alive():
             try:
                 self.call(lambda: self.scheduler.fail_all(EngineClosedError("the engine was closed")))
             except EngineClosedError:
                 pass
-            self._commands.put(None)
-            self._wake.set()
+            self.commands.stop()
             self._thread.join()
-        self._closed = True
-        self._drain_commands(EngineClosedError("the engine was closed"))
+        self.commands.closed = True
+        self.commands.drain(EngineClosedError("the engine was closed"))
         self.loaded.close(EngineClosedError("the engine was closed"))
-        for c in (self.ctx, self._eval_ctx):
-            if c is not None:
-                c.close()
+        self.ctx.close()
+        self.evaluator.close()
         for a in list(self.registry.adapters.values()) + self._retired:
             a.close()
         if self.bank is not None:
@@ -671,41 +580,6 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-
-def _check_deterministic(model: Model | None, flash_attn: bool, kv_unified: bool) -> None:
-    """Refuse settings that make a sequence's arithmetic depend on its batch."""
-    problems = []
-    if flash_attn:
-        problems.append("flash attention takes other code paths for long caches and large prefills")
-    if kv_unified:
-        problems.append("a unified KV cache puts a sequence's tokens in batch-dependent cells")
-    if model is not None and model.handle.repack:
-        problems.append("the model was loaded with repacked weights (load it with repack=False)")
-    if model is not None and os.environ.get(N.TILED_ENV) != "0":
-        problems.append(f"{N.TILED_ENV} is not 0 (ggml's tiled matmul is batch-variant)")
-    if problems:
-        raise ParameterError("deterministic", "these settings are not batch-invariant: " + "; ".join(problems),
-                             hint="use Engine.load(..., deterministic=True), which sets all of this up")
-
-
-
-def _check_versions(asked: Mapping[str, int] | None, runs_on: Mapping[str, int]) -> None:
-    """Refuse a request for an adapter version other than the one it would run on."""
-    for name, v in (asked or {}).items():
-        if name not in runs_on:
-            raise ParameterError("model", f"a version of {name!r} was asked for, but the request does not use it")
-        if runs_on[name] != v:
-            raise AdapterVersionError(name, v, runs_on[name])
-
-
-def _pass_failure(cmd: Future[Any], fut: Future[Any]) -> None:
-    """A command that never ran (the engine closed) fails the Future it was to answer."""
-    err = None if cmd.cancelled() else cmd.exception()
-    if err is not None and not fut.done():
-        with contextlib.suppress(Exception):
-            fut.set_exception(err)
 
 
 def _resolve(src: str, **options: Any) -> Path:

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import FactorError, LoramuxError
+from ..errors import AdapterVersionError, FactorError, LoramuxError, ParameterError
 from .adapters import LoRAAdapter
 from .factor_stage import as_float, delta_bound_problems
 from .registry import AdapterSet
@@ -171,4 +171,13 @@ def must_check(e: BaseException) -> bool:
     return isinstance(e, _MustCheck)
 
 
-__all__ = ["MAX_PENDING", "PendingPush", "PushGate", "check_factors", "must_check", "request_versions"]
+def check_versions(asked: Mapping[str, int] | None, runs_on: Mapping[str, int]) -> None:
+    """Refuse a request for an adapter version other than the one it would run on."""
+    for name, v in (asked or {}).items():
+        if name not in runs_on:
+            raise ParameterError("model", f"a version of {name!r} was asked for, but the request does not use it")
+        if runs_on[name] != v:
+            raise AdapterVersionError(name, v, runs_on[name])
+
+
+__all__ = ["MAX_PENDING", "PendingPush", "PushGate", "check_factors", "check_versions", "must_check", "request_versions"]
