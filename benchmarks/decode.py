@@ -359,7 +359,7 @@ PROFILED = (  # (module attribute path, label): the pieces of one engine-loop it
     ("loramux._native.SamplerHandle.accept", "sampler.accept (native)"),
     ("loramux._native.ModelHandle.token_bytes", "token_bytes"),
     ("loramux.engine.sampling.TextAssembler.feed", "TextAssembler.feed"),
-    ("loramux.engine.scheduler.Request.emit", "Request.emit (queue put + callback)"),
+    ("loramux.engine.request.Request.emit", "Request.emit (queue put + callback)"),
     ("loramux.engine.scheduler.Scheduler._fill_batch", "Scheduler._fill_batch"),
     ("loramux.engine.scheduler.Scheduler._apply", "Scheduler._apply (set_adapters check)"),
     ("loramux.engine.scheduler.Scheduler._pick_group", "Scheduler._pick_group"),

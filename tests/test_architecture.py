@@ -380,7 +380,7 @@ def test_request_input_is_frozen_and_apart_from_its_state():
     `Request` repeats; the batch hand-off to the bank and the guard is a named `BatchEntry`, not a bare
     tuple spelled out in signatures."""
     from loramux.engine.phases import BatchEntry
-    from loramux.engine.scheduler import Request, RequestInput
+    from loramux.engine.request import Request, RequestInput
     assert RequestInput.__dataclass_params__.frozen  # type: ignore[attr-defined]
     inputs, state = {f.name for f in dataclasses.fields(RequestInput)}, {f.name for f in dataclasses.fields(Request)}
     assert {"prompt", "params", "phases", "share"} <= inputs and not inputs & state, inputs & state

@@ -20,7 +20,7 @@ from test_server import serving
 import loramux as lm
 from loramux.cli.serve import add_parsers, settings_from_args
 from loramux.engine.fairness import slot_limit
-from loramux.engine.scheduler import Request
+from loramux.engine.request import Request
 from loramux.errors import ParameterError
 
 PROMPT = "the cat sat on the mat"

@@ -36,9 +36,10 @@ from .model import Context, ContextOptions, Model, default_threads
 from .options import EngineOptions, check_deterministic
 from .phases import alora_phases
 from .registry import LoraArg, Registry, check_scale, requested_names
+from .request import Request, RequestInput
 from .residency import LoadedTier
 from .sampling import Completion, SamplingParams
-from .scheduler import Request, RequestInput, Scheduler
+from .scheduler import Scheduler
 from .scoring import Scoring, TokenLogprob, score_many
 from .specs import ControlArg, Inherit, LoraSpec, adapter_name
 from .stats import EngineStats

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from .request import Request
 from .sampling import Completion
-from .scheduler import Request
 
 
 class TextStream(Iterator[str]):
