@@ -242,6 +242,42 @@ def test_a_refused_token_never_reaches_llama_grammar_accept(engine):
     assert isinstance(g.handle, N.GrammarHandle)
 
 
+def test_a_garbage_collection_inside_a_grammar_step_is_not_charged_to_it(engine):
+    """The grammar budgets charge the engine thread's CPU time in the grammar's own work: a full garbage
+    collection of a large heap (here one made to take 0.3 s of CPU) that starts inside a step is not the
+    grammar's, and must not fail the request under a 0.2 s token budget (work_clock.py)."""
+    import dataclasses
+    import gc
+    import time
+
+    g = G.regex("a+").compile(engine.model, dataclasses.replace(G.DEFAULT_LIMITS, token_seconds=0.2))
+    real = g.handle
+
+    class Collecting:  # the grammar's handle, with a garbage collection inside its accept
+        def accept(self, token: int) -> None:
+            gc.collect()
+            real.accept(token)
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(real, name)
+
+    def slow(phase: str, _info: dict) -> None:
+        t = time.thread_time()
+        while phase == "start" and time.thread_time() - t < 0.3:
+            pass
+
+    gc.callbacks.append(slow)
+    try:
+        g.handle = Collecting()  # type: ignore[assignment]
+        t0 = time.thread_time()
+        g.accept(3 + ord("a"))
+        assert time.thread_time() - t0 >= 0.3 and g.spent < 0.2, g.spent
+    finally:
+        gc.callbacks.remove(slow)
+        g.handle = real
+        g.close()
+
+
 # ------------------------------------------------------------------------------ the fuzzer
 @pytest.fixture(scope="module")
 def fuzz_worker(fg_model: Path):

@@ -182,11 +182,12 @@ class GrammarHandle(Handle):
         self._apply(self.ptr, one)
         return bool(np.isfinite(one["logit"][0]))
 
-    def allowed_among(self, tokens: np.ndarray, deadline: float | None = None) -> np.ndarray:
+    def allowed_among(self, tokens: np.ndarray, deadline: float | None = None,
+                      clock: Callable[[], float] = time.thread_time) -> np.ndarray:
         """Which of `tokens` the grammar, in its current state, accepts next (one pass over just those)."""
         data = np.zeros(len(tokens), dtype=_TOKEN_DATA)
         data["id"] = tokens
-        self._mask(data, deadline)
+        self._mask(data, deadline, clock)
         return np.isfinite(data["logit"])
 
     def _candidates(self, ctx: ContextHandle, idx: int) -> np.ndarray:
@@ -202,12 +203,13 @@ class GrammarHandle(Handle):
         return a
 
     def pick(self, ctx: ContextHandle, idx: int, chain: SamplerHandle | None, ban: np.ndarray | None = None,
-             deadline: float | None = None, narrow: Callable[[], np.ndarray | None] | None = None) -> int:
+             deadline: float | None = None, narrow: Callable[[], np.ndarray | None] | None = None,
+             clock: Callable[[], float] = time.thread_time) -> int:
         """The next token under the grammar: greedy (`chain` None) or through the chain, without accepting it.
 
         `ban` (a boolean mask over the vocabulary) removes tokens on top of the grammar. `deadline` (a
-        time.thread_time() value: this thread's CPU time, which waiting for the GIL or a core does not
-        spend): the checks and the pass over the vocabulary raise TimeoutError once it is past, between
+        `clock()` value, by default time.thread_time(): this thread's CPU time, which waiting for the GIL or
+        a core does not spend): the checks and the pass over the vocabulary raise TimeoutError once it is past, between
         two grammar calls (one call cannot be interrupted; a pass goes in chunks). `narrow`, called only
         when a pass over the vocabulary is needed, returns a mask of tokens the grammar is known to refuse
         (or None): the pass then asks the grammar about the others only, with the same result."""
@@ -221,7 +223,7 @@ class GrammarHandle(Handle):
             self._allowed = tok
             return tok
         if chain is None and self.lazy:  # greedy: the best allowed token is nearly always among the best few
-            best = self._best_allowed(ctx, idx, ban, GREEDY_SCAN, deadline)
+            best = self._best_allowed(ctx, idx, ban, GREEDY_SCAN, deadline, clock)
             if best is not None:
                 self._allowed = best
                 return best
@@ -230,11 +232,11 @@ class GrammarHandle(Handle):
             ban = known if ban is None else ban | known
         cand = self._candidates(ctx, idx)
         if ban is None:
-            self._mask(cand, deadline)  # rejected: mask the whole vocabulary (in id order), then choose again
+            self._mask(cand, deadline, clock)  # rejected: mask the whole vocabulary (in id order), then choose again
         else:  # only the tokens not banned already need the grammar's verdict
             keep = np.flatnonzero(~ban)
             sub = cand[keep]
-            self._mask(sub, deadline)
+            self._mask(sub, deadline, clock)
             cand["logit"][keep] = sub["logit"]
             cand["logit"][ban] = -np.inf
         if not np.isfinite(cand["logit"]).any():
@@ -254,17 +256,17 @@ class GrammarHandle(Handle):
         hit = np.flatnonzero(a["id"] == token)
         return float(a["logit"][hit[0]]) if len(hit) else -np.inf
 
-    def _mask(self, cand: np.ndarray, deadline: float | None) -> None:
+    def _mask(self, cand: np.ndarray, deadline: float | None, clock: Callable[[], float] = time.thread_time) -> None:
         """The grammar's pass over `cand`, MASK_CHUNK candidates a call when there is a deadline (llama.cpp
         checks each candidate on its own, so the chunks mask what one call would), checked between calls."""
         step = max(len(cand), 1) if deadline is None else MASK_CHUNK
         for start in range(0, len(cand), step):
-            if deadline is not None and time.thread_time() > deadline:
+            if deadline is not None and clock() > deadline:
                 raise TimeoutError("the grammar's pass over the vocabulary ran past its deadline")
             self._apply(self.ptr, cand[start:start + step])
 
     def _best_allowed(self, ctx: ContextHandle, idx: int, ban: np.ndarray | None, k: int,
-                      deadline: float | None = None) -> int | None:
+                      deadline: float | None = None, clock: Callable[[], float] = time.thread_time) -> int | None:
         """The highest-logit token the grammar allows among the `k` best (ties: the lowest id, as argmax over
         the masked vocabulary would pick), or None to fall back to the full pass."""
         ptr = C.llama_get_logits_ith(ctx.ptr, idx)
@@ -276,7 +278,7 @@ class GrammarHandle(Handle):
         for t in top[np.argsort(-row[top], kind="stable")]:
             if row[t] == kth and (row > kth).sum() + (row == kth).sum() > k:
                 return None  # ties at the edge of the window: a token outside it could rank the same
-            if deadline is not None and time.thread_time() > deadline:
+            if deadline is not None and clock() > deadline:
                 raise TimeoutError("the grammar's checks ran past their deadline")
             if (ban is None or not ban[t]) and self.allows(int(t)):
                 return int(t)

@@ -28,6 +28,7 @@ from .. import _native as N
 from ..errors import BackendError, GrammarBudgetError, GrammarError
 from .grammar_cost import DEFAULT_LIMITS, YIELD_EVERY, GrammarLimits, check, syntax_error
 from .regex_gbnf import MAX_REPEAT, choice_gbnf, regex_to_gbnf
+from .work_clock import work_time
 
 if TYPE_CHECKING:
     from .model import Model
@@ -103,35 +104,37 @@ class ActiveGrammar:
         self.table = _utf8_table(model)
         self.state: tuple[int, int, int] = (0, 0, 0)  # (continuation bytes owed, range of the next one)
         # CPU seconds of the engine thread in this grammar's checks, passes and advances so far: CPU time,
-        # not wall time, so that a thread kept waiting (the GIL, a busy machine) is not charged for it
+        # not wall time, so that a thread kept waiting (the GIL, a busy machine) is not charged for it, and
+        # none of a garbage collection that ran meanwhile (work_clock.py)
         self.spent = 0.0
 
     def pick(self, ctx: N.ContextHandle, idx: int, chain: N.SamplerHandle | None) -> int:
         """The next token (see `_native.GrammarHandle.pick`), within the time budgets: a GrammarBudgetError
         once this token or the whole request took longer than `limits` allows."""
-        t0 = time.thread_time()
+        t0 = work_time()
         left = min(self.limits.token_seconds, self.limits.request_seconds - self.spent)
         try:
             deadline = t0 + max(left, 0.0)
             # between characters (no multi-byte character pending) a pass asks about each first character once
-            narrow = (lambda: self.table.refused_by_first(self.handle.allowed_among(self.table.probes, deadline))
+            narrow = (lambda: self.table.refused_by_first(self.handle.allowed_among(self.table.probes, deadline, work_time))
                       ) if self.narrows and self.state[0] == 0 else None
-            tok = self.handle.pick(ctx, idx, chain, self.table.ban(self.state), deadline=deadline, narrow=narrow)
+            tok = self.handle.pick(ctx, idx, chain, self.table.ban(self.state), deadline=deadline, narrow=narrow,
+                                   clock=work_time)
         except TimeoutError:
-            self.spent += time.thread_time() - t0
-            raise self._over(time.thread_time() - t0) from None
+            self.spent += work_time() - t0
+            raise self._over(work_time() - t0) from None
         self._charge(t0)
         return tok
 
     def accept(self, token: int) -> None:
         """Advance by `token` (checked against the grammar first unless `pick` just chose it)."""
-        t0 = time.thread_time()
+        t0 = work_time()
         self.handle.accept(token)
         self.state = _advance(self.state, self.model.handle.token_bytes(token))
         self._charge(t0)
 
     def _charge(self, t0: float) -> None:
-        took = time.thread_time() - t0
+        took = work_time() - t0
         self.spent += took
         if took > self.limits.token_seconds or self.spent > self.limits.request_seconds:
             raise self._over(took)
