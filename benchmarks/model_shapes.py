@@ -214,25 +214,38 @@ class Stepper:
         self.pos = 0
         self.times: list[float] = []
 
-    def step(self, timed: bool = True) -> None:
-        from loramux.engine.bank import plan_ubatches, token_scales
+    def prefill(self, n_tok: int) -> None:
+        """Positions 0..n_tok-1 of every sequence in one batch (untimed), so steps start at n_tok."""
+        b = self.ctx.batch
+        b.clear()
+        for s in range(self.n_seq):
+            b.add(TOKENS[:n_tok], 0, s, [False] * (n_tok - 1) + [True])
+        self._decode(n_tok)
+        self.pos = n_tok
 
+    def step(self) -> None:
+        """One timed decode of one token for each sequence."""
         b = self.ctx.batch
         b.clear()
         for s in range(self.n_seq):
             b.add([TOKENS[(self.pos + s) % len(TOKENS)]], self.pos, s, True)
         t0 = time.perf_counter()
+        self._decode(1)
+        self.times.append(time.perf_counter() - t0)
+        self.pos += 1
+
+    def _decode(self, n_tok: int) -> None:
+        from loramux.engine.bank import plan_ubatches, token_scales
+
+        b = self.ctx.batch
         if self.bank is not None:
             assert self.slots is not None
-            scales = token_scales(self.bank, [(1, [(self.slots[s % len(self.slots)], 1.0)])
+            scales = token_scales(self.bank, [(n_tok, [(self.slots[s % len(self.slots)], 1.0)])
                                               for s in range(self.n_seq)])
             self.bank.set_plan(scales, b.logits[: b.n] != 0, plan_ubatches(b.seq[: b.n], b.capacity, True))
         self.ctx.handle.decode(b)
         if self.bank is not None:
             self.bank.check()
-        if timed:
-            self.times.append(time.perf_counter() - t0)
-        self.pos += 1
 
     def close(self) -> None:
         self.ctx.close()
@@ -241,8 +254,9 @@ class Stepper:
 def side_by_side(base: Stepper, other: Stepper, args: argparse.Namespace) -> tuple[float, float]:
     """Medians (s) of interleaved steps of two fresh steppers at the same positions (--context onwards)."""
     for s in (base, other):
-        while s.pos < args.context:
-            s.step(timed=False)
+        s.prefill(args.context)
+        s.step()  # warm-up (graph reserve for one-token batches)
+        s.times.clear()
     for _ in range(args.repeats):
         base.step()
         other.step()
@@ -314,8 +328,9 @@ def main() -> None:
     ap.add_argument("--n-ctx", type=int, default=128, help="KV cells per sequence (default 128)")
     ap.add_argument("--context", type=int, default=16, help="positions decoded before timing (default 16)")
     args = ap.parse_args()
-    if args.context + args.repeats + 1 > args.n_ctx:
-        raise SystemExit(f"error: --context + --repeats must stay below --n-ctx ({args.n_ctx})")
+    if not 1 <= args.context <= len(TOKENS) or args.context + args.repeats + 2 > args.n_ctx:
+        raise SystemExit(f"error: --context must be 1–{len(TOKENS)} and --context + --repeats stay below "
+                         f"--n-ctx ({args.n_ctx})")
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="loramux-shapes-"))
     work.mkdir(parents=True, exist_ok=True)
     info = machine_info(args.threads)
