@@ -279,7 +279,9 @@ def measure_shape(label: str, path: Path, args: argparse.Namespace, work: Path) 
         have = adapters.setdefault(rank, [])
         while len(have) < n:
             k = len(have)
-            f = write_random_adapter(work / f"{path.stem}-r{rank}-{k}.gguf", "gemma3", shapes, rank, 100 + k)
+            f = work / f"{path.stem}-r{rank}-{k}.gguf"
+            if not f.exists():  # random factors from a fixed seed: a file already written is the same
+                write_random_adapter(f, "gemma3", shapes, rank, 100 + k)
             have.append(LoRAAdapter(model, f, f"r{rank}-{k}"))
         return have[:n]
 
