@@ -292,7 +292,7 @@ def measure_shape(label: str, path: Path, args: argparse.Namespace, work: Path) 
         for rank in args.bank_ranks:
             def make(n: int, k_slots: int = k_slots, rank: int = rank) -> Stepper:
                 bank = SlotBank(model, k_slots, rank)
-                slots = [bank.acquire(a) for a in adapter_set(rank, k_slots)]
+                slots = [bank.take_slot(a) for a in adapter_set(rank, k_slots)]
                 return Stepper(model, n, args, bank=bank, slots=slots)
             configs.append((f"bank {k_slots}×r{rank}", make))
     for n in SEQS:
