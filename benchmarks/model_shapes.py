@@ -1,0 +1,363 @@
+"""The slot bank's cost against model size: base GGUFs with the shapes of Gemma 3 1B, 4B and 12B.
+
+Every other benchmark runs the default 270M model, where the Python step and the graph dominate and
+the bank's extra products are small. This one builds base models with the real shapes of larger
+Gemma 3 models (hidden size, layers, heads, FFN width; the real 262,144-token vocabulary copied from
+the default model), with random weights stored in Q4_K_M's tensor types (Q4_K, Q6_K for attn_v and
+ffn_down in the layers llama-quantize gives more bits, Q6_K for the tied embedding/output, with
+llama-quantize's fallbacks Q5_0/Q8_0 where a row is not a multiple of 256), so each matmul costs
+what it costs in a real Q4_K_M file. Quality is irrelevant: the weights are random bytes with small
+block scales. Models are written once into --work-dir (about 0.8, 2.5 and 7 GB) and reused.
+
+On each shape it times one decode step of 1, 4 and 8 sequences (each at position --context):
+
+- base:                       no adapter;
+- native rank r:              one rank-r adapter over every projection, set on the context;
+- bank K×rR:                  a slot bank of K slots of rank R (4 or 8 slots, rank 8 or 32), every
+                              slot holding a rank-R adapter, sequence s on slot s mod K, per-token masks
+                              (the general mixed-adapter step; loramux serve takes the native path
+                              when every token of a decode uses one adapter set).
+
+Each configuration is timed interleaved with the base step, one step of each per round, so the
+ratio is measured side by side; only one bank is alive at a time (a 12B bank of 8 rank-32 slots
+holds about 4 GB of F32 factors). Medians over --repeats rounds; ratios to the base step.
+
+    python benchmarks/model_shapes.py --shapes 1b,4b,12b --repeats 9 --work-dir /var/tmp/loramux-shapes
+
+Not shipped and not run in CI. With a GPU build of llama-cpp-python
+(CMAKE_ARGS="-DGGML_CUDA=on") it runs unchanged and measures the same curve on the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+from _common import (
+    common_args,
+    dump_json,
+    machine_info,
+    median,
+    model_path,
+    print_machine,
+    print_table,
+    progress,
+    projection_shapes,
+    write_random_adapter,
+)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A Gemma 3 model's dimensions (from its published config)."""
+
+    name: str
+    embd: int
+    layers: int
+    ffn: int
+    heads: int
+    kv_heads: int
+    head_dim: int = 256
+
+    def params(self, vocab: int) -> float:
+        """Parameters, in billions (projections + tied embedding)."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        per = self.embd * (q + 2 * kv) + q * self.embd + 3 * self.embd * self.ffn
+        return (self.layers * per + vocab * self.embd) / 1e9
+
+
+SHAPES = {
+    "1b": Shape("Gemma 3 1B", 1152, 26, 6912, 4, 1),
+    "4b": Shape("Gemma 3 4B", 2560, 34, 10240, 8, 4),
+    "12b": Shape("Gemma 3 12B", 3840, 48, 15360, 16, 8),
+}
+
+Q = gguf.GGMLQuantizationType
+# block size in weights, bytes per block, and (byte offset, f16 value) of the block scales to set
+BLOCKS: dict[Q, tuple[int, int, list[tuple[int, float]]]] = {
+    Q.Q4_K: (256, 144, [(0, 1e-4), (2, 1e-4)]),
+    Q.Q6_K: (256, 210, [(208, 3e-5)]),
+    Q.Q5_0: (32, 22, [(0, 2e-3)]),
+    Q.Q8_0: (32, 34, [(0, 2e-4)]),
+}
+FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q6_K: Q.Q8_0}  # llama-quantize's choice when a row is not a multiple of 256
+
+
+def q4_k_m_type(kind: str, layer: int, n_layer: int, row: int) -> Q:
+    """The tensor type llama-quantize's Q4_K_M gives (its use_more_bits rule for attn_v and ffn_down)."""
+    more = layer < n_layer // 8 or layer >= 7 * n_layer // 8 or (layer - n_layer // 8) % 3 == 2
+    t = Q.Q6_K if kind in ("attn_v", "ffn_down") and more else Q.Q4_K
+    return FALLBACK[t] if row % 256 else t
+
+
+def random_blocks(qtype: Q, n_weights: int, rng: np.random.Generator) -> np.ndarray:
+    """Random quantized bytes for n_weights weights, with every block's scales set small and finite."""
+    size, nbytes, scales = BLOCKS[qtype]
+    n_blocks = n_weights // size
+    pool = rng.integers(0, 256, (min(n_blocks, 4096), nbytes), dtype=np.uint8)
+    for off, value in scales:
+        pool[:, off:off + 2] = np.frombuffer(np.float16(value).tobytes(), dtype=np.uint8)
+    reps = -(-n_blocks // len(pool))
+    return np.tile(pool, (reps, 1))[:n_blocks].reshape(-1)
+
+
+def tensor_plan(shape: Shape, vocab: int) -> Iterator[tuple[str, tuple[int, ...], Q | None]]:
+    """(name, numpy shape, type or None for F32) of every tensor of a Gemma 3 model of this shape."""
+    q, kv, e = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, shape.embd
+    yield "token_embd.weight", (vocab, e), FALLBACK[Q.Q6_K] if e % 256 else Q.Q6_K
+    yield "output_norm.weight", (e,), None
+    for i in range(shape.layers):
+        for kind, out_dim, in_dim in [("attn_q", q, e), ("attn_k", kv, e), ("attn_v", kv, e),
+                                      ("attn_output", e, q), ("ffn_gate", shape.ffn, e),
+                                      ("ffn_up", shape.ffn, e), ("ffn_down", e, shape.ffn)]:
+            yield f"blk.{i}.{kind}.weight", (out_dim, in_dim), q4_k_m_type(kind, i, shape.layers, in_dim)
+        for norm, n in [("attn_norm", e), ("attn_q_norm", shape.head_dim), ("attn_k_norm", shape.head_dim),
+                        ("post_attention_norm", e), ("ffn_norm", e), ("post_ffw_norm", e)]:
+            yield f"blk.{i}.{norm}.weight", (n,), None
+
+
+SHAPE_KEYS = ("embedding_length", "block_count", "feed_forward_length", "attention.head_count",
+              "attention.head_count_kv", "attention.key_length", "attention.value_length")
+
+
+def copy_metadata(w: gguf.GGUFWriter, ref: gguf.GGUFReader, arch: str) -> None:
+    """Copy the reference model's tokenizer and hyperparameters (all but its dimensions)."""
+    skip = {f"{arch}.{k}" for k in SHAPE_KEYS} | {"general.architecture", "general.name", "general.basename",
+                                                   "general.size_label", "general.file_type"}
+    for key, field in ref.fields.items():
+        if key.startswith("GGUF.") or key in skip:
+            continue
+        kind = field.types[0]
+        if kind == gguf.GGUFValueType.ARRAY:
+            sub = field.types[1]
+            if sub == gguf.GGUFValueType.STRING:
+                vals: list[Any] = [bytes(field.parts[i]).decode("utf-8", "surrogateescape") for i in field.data]
+            else:
+                vals = [field.parts[i].tolist()[0] for i in field.data]
+            w.add_key_value(key, vals, kind, sub_type=sub)
+        elif kind == gguf.GGUFValueType.STRING:
+            w.add_key_value(key, bytes(field.parts[field.data[0]]).decode("utf-8"), kind)
+        else:
+            w.add_key_value(key, field.parts[field.data[0]].tolist()[0], kind)
+
+
+def build_model(shape: Shape, ref_path: Path, out: Path) -> Path:
+    """Write a random-weight Q4_K_M-typed Gemma 3 GGUF of `shape` (skipped when `out` exists)."""
+    if out.exists():
+        return out
+    ref = gguf.GGUFReader(ref_path)
+    arch = "gemma3"
+    vocab = len(ref.fields["tokenizer.ggml.tokens"].data)
+    tmp = out.with_suffix(".partial")
+    w = gguf.GGUFWriter(tmp, arch)
+    w.add_name(f"random {shape.name} shape")
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
+    copy_metadata(w, ref, arch)
+    w.add_embedding_length(shape.embd)
+    w.add_block_count(shape.layers)
+    w.add_feed_forward_length(shape.ffn)
+    w.add_head_count(shape.heads)
+    w.add_head_count_kv(shape.kv_heads)
+    w.add_key_length(shape.head_dim)
+    w.add_value_length(shape.head_dim)
+    plan = list(tensor_plan(shape, vocab))
+    for name, shp, qtype in plan:
+        if qtype is None:
+            w.add_tensor_info(name, shp, np.dtype(np.float32), 4 * int(np.prod(shp)))
+        else:
+            size, nbytes, _ = BLOCKS[qtype]
+            n = int(np.prod(shp))
+            w.add_tensor_info(name, (shp[0], shp[1] // size * nbytes), np.dtype(np.uint8), n // size * nbytes,
+                              raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    rng = np.random.default_rng(0)
+    for _name, shp, qtype in progress(plan, f"writing {out.name}"):
+        n = int(np.prod(shp))
+        w.write_tensor_data(np.ones(n, dtype=np.float32) if qtype is None else random_blocks(qtype, n, rng))
+    w.close()
+    tmp.rename(out)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Timing
+# ----------------------------------------------------------------------------------------------
+
+SEQS = (1, 4, 8)
+TOKENS = list(range(1000, 1064))  # any ids of the real vocabulary
+
+
+class Stepper:
+    """A context decoding one token for each of n sequences per step, natively or through a bank."""
+
+    def __init__(self, model: Any, n_seq: int, args: argparse.Namespace, *, loras: Sequence[Any] = (),
+                 bank: Any = None, slots: list[int] | None = None) -> None:
+        from loramux.engine.model import Context, ContextOptions
+
+        self.n_seq, self.bank, self.slots = n_seq, bank, slots
+        opts = ContextOptions(n_ctx=args.n_ctx * n_seq, n_batch=512, n_ubatch=512, n_seq_max=n_seq,
+                              n_threads=args.threads, kv_unified=True)
+        self.ctx = Context(model, opts, callback=bank.callback if bank is not None else None)
+        handles = [bank.adapter] if bank is not None else list(loras)
+        self.ctx.handle.set_adapters([getattr(h, "handle", h) for h in handles], [1.0] * len(handles))
+        self.pos = 0
+        self.times: list[float] = []
+
+    def prefill(self, n_tok: int) -> None:
+        """Positions 0..n_tok-1 of every sequence in one batch (untimed), so steps start at n_tok."""
+        b = self.ctx.batch
+        b.clear()
+        for s in range(self.n_seq):
+            b.add(TOKENS[:n_tok], 0, s, [False] * (n_tok - 1) + [True])
+        self._decode(n_tok)
+        self.pos = n_tok
+
+    def step(self) -> None:
+        """One timed decode of one token for each sequence."""
+        b = self.ctx.batch
+        b.clear()
+        for s in range(self.n_seq):
+            b.add([TOKENS[(self.pos + s) % len(TOKENS)]], self.pos, s, True)
+        t0 = time.perf_counter()
+        self._decode(1)
+        self.times.append(time.perf_counter() - t0)
+        self.pos += 1
+
+    def _decode(self, n_tok: int) -> None:
+        from loramux.engine.bank import plan_ubatches, token_scales
+
+        b = self.ctx.batch
+        if self.bank is not None:
+            assert self.slots is not None
+            scales = token_scales(self.bank, [(n_tok, [(self.slots[s % len(self.slots)], 1.0)])
+                                              for s in range(self.n_seq)])
+            self.bank.set_plan(scales, b.logits[: b.n] != 0, plan_ubatches(b.seq[: b.n], b.capacity, True))
+        self.ctx.handle.decode(b)
+        if self.bank is not None:
+            self.bank.check()
+
+    def close(self) -> None:
+        self.ctx.close()
+
+
+def side_by_side(base: Stepper, other: Stepper, args: argparse.Namespace) -> tuple[float, float]:
+    """Medians (s) of interleaved steps of two fresh steppers at the same positions (--context onwards)."""
+    for s in (base, other):
+        s.prefill(args.context)
+        s.step()  # warm-up (graph reserve for one-token batches)
+        s.times.clear()
+    for _ in range(args.repeats):
+        base.step()
+        other.step()
+    return median(base.times), median(other.times)
+
+
+def measure_shape(label: str, path: Path, args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
+    """Every configuration on one model, each against the base step, at 1, 4 and 8 sequences."""
+    from loramux.engine.adapters import LoRAAdapter
+    from loramux.engine.bank import SlotBank
+    from loramux.engine.model import Model
+
+    model = Model(path)
+    shapes = projection_shapes(path)
+    rows: list[dict[str, Any]] = []
+    configs: list[tuple[str, Callable[[int], Stepper]]] = []
+    adapters: dict[int, list[Any]] = {}
+
+    def adapter_set(rank: int, n: int) -> list[Any]:
+        have = adapters.setdefault(rank, [])
+        while len(have) < n:
+            k = len(have)
+            f = work / f"{path.stem}-r{rank}-{k}.gguf"
+            if not f.exists():  # random factors from a fixed seed: a file already written is the same
+                write_random_adapter(f, "gemma3", shapes, rank, 100 + k)
+            have.append(LoRAAdapter(model, f, f"r{rank}-{k}"))
+        return have[:n]
+
+    for rank in args.native_ranks:
+        configs.append((f"native rank {rank}", lambda n, rank=rank: Stepper(
+            model, n, args, loras=adapter_set(rank, 1))))
+    for k_slots in args.slots:
+        for rank in args.bank_ranks:
+            def make(n: int, k_slots: int = k_slots, rank: int = rank) -> Stepper:
+                bank = SlotBank(model, k_slots, rank)
+                slots = [bank.take_slot(a) for a in adapter_set(rank, k_slots)]
+                return Stepper(model, n, args, bank=bank, slots=slots)
+            configs.append((f"bank {k_slots}×r{rank}", make))
+    for n in SEQS:
+        for name, make in configs:
+            base, other = Stepper(model, n, args), make(n)
+            b, o = side_by_side(base, other, args)
+            rows.append({"model": label, "config": name, "seqs": n, "base_ms": b * 1e3, "ms": o * 1e3,
+                         "ratio": o / b})
+            print(f"{label} {name} n={n}: {o * 1e3:.1f} ms vs base {b * 1e3:.1f} ms ({o / b:.3f}×)",
+                  file=sys.stderr, flush=True)
+            for s in (base, other):
+                s.close()
+                if s.bank is not None:
+                    s.bank.close()
+            del base, other
+            gc.collect()
+    for have in adapters.values():
+        for a in have:
+            a.close()
+    model.close()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common_args(ap, repeats=9)  # --repeats N: N interleaved steps of base and configuration each
+    ap.add_argument("--shapes", default="1b,4b,12b", help="comma-separated: 270m (the default model itself), "
+                    "1b, 4b, 12b (default 1b,4b,12b)")
+    ap.add_argument("--slots", type=lambda s: [int(x) for x in s.split(",")], default=[4, 8],
+                    help="bank sizes (default 4,8)")
+    ap.add_argument("--bank-ranks", type=lambda s: [int(x) for x in s.split(",")], default=[8, 32],
+                    help="slot ranks (default 8,32)")
+    ap.add_argument("--native-ranks", type=lambda s: [int(x) for x in s.split(",")], default=[8],
+                    help="ranks of the native one-adapter step (default 8)")
+    ap.add_argument("--n-ctx", type=int, default=128, help="KV cells per sequence (default 128)")
+    ap.add_argument("--context", type=int, default=16, help="positions decoded before timing (default 16)")
+    args = ap.parse_args()
+    if not 1 <= args.context <= len(TOKENS) or args.context + args.repeats + 2 > args.n_ctx:
+        raise SystemExit(f"error: --context must be 1–{len(TOKENS)} and --context + --repeats stay below "
+                         f"--n-ctx ({args.n_ctx})")
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="loramux-shapes-"))
+    work.mkdir(parents=True, exist_ok=True)
+    info = machine_info(args.threads)
+    print_machine(info)
+    ref = model_path(args.model)
+    rows: list[dict[str, Any]] = []
+    for key in args.shapes.split(","):
+        if key == "270m":
+            label, path = "Gemma 3 270M (real)", ref
+        elif key in SHAPES:
+            label = f"{SHAPES[key].name} shape"
+            path = build_model(SHAPES[key], ref, work / f"gemma3-{key}-random-q4_k_m.gguf")
+        else:
+            raise SystemExit(f"error: unknown shape {key!r}; choose from 270m, {', '.join(SHAPES)}")
+        rows += measure_shape(label, path, args, work)
+    report(rows, args)
+    dump_json(args.json, {"machine": info, "args": vars(args), "rows": rows})
+
+
+def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    table = [[r["model"], r["config"], str(r["seqs"]), f"{r['base_ms']:.1f}", f"{r['ms']:.1f}",
+              f"{r['ratio']:.3f}×"] for r in rows]
+    print_table(f"one decode step against the base step ({args.threads} threads, median of {args.repeats} "
+                "interleaved steps)", ["model", "configuration", "sequences", "base ms", "ms", "vs base"], table)
+
+
+if __name__ == "__main__":
+    main()
