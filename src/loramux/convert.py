@@ -25,7 +25,7 @@ import numpy as np
 
 from ._progress import progress_iter
 from .errors import ConversionError, ParameterError
-from .ggml_types import BF16, F16, from_bf16_bits, to_bf16_bits
+from .ggml_types import BF16, F16, to_bf16_bits
 from .gguf_io import (
     GGUFFormatError,
     GGUFHeader,
@@ -34,6 +34,7 @@ from .gguf_io import (
     read_header,
     write_adapter,
 )
+from .gguf_io.safetensors import read_safetensors_index, read_safetensors_tensor, write_safetensors_file
 
 __all__ = ["ConversionReport", "convert_peft", "export_peft", "peft_factors", "SUPPORTED_ARCHITECTURES"]
 
@@ -179,52 +180,6 @@ def unpermute_rows(b: np.ndarray, n_head: int) -> np.ndarray:
     """Inverse of `permute_rows`."""
     out = b.shape[0]
     return b.reshape(n_head, out // n_head // 2, 2, -1).swapaxes(1, 2).reshape(b.shape)
-
-
-# ---------------------------------------------------------------------------------------------
-# safetensors (own reader/writer: numpy has no bfloat16, and we must not need torch)
-# ---------------------------------------------------------------------------------------------
-
-_ST_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "BF16": np.uint16}
-
-
-def _st_index(path: Path) -> tuple[dict[str, dict[str, Any]], int]:
-    """The tensor directory of a safetensors file and the offset of its data section."""
-    with path.open("rb") as f:
-        head = f.read(8)
-        if len(head) != 8:
-            raise ValueError("file is shorter than a safetensors header")
-        n = int.from_bytes(head, "little")
-        if n > 100 << 20:
-            raise ValueError(f"implausible header length {n}")
-        index = json.loads(f.read(n))
-    index.pop("__metadata__", None)
-    return index, 8 + n
-
-
-def _st_read(path: Path, entry: Mapping[str, Any], data_start: int) -> np.ndarray:
-    begin, end = entry["data_offsets"]
-    raw = np.fromfile(path, dtype=np.uint8, count=end - begin, offset=data_start + begin)
-    arr = raw.view(_ST_DTYPES[entry["dtype"]])
-    if entry["dtype"] == "BF16":
-        arr = from_bf16_bits(arr)
-    return arr.astype(np.float32).reshape(entry["shape"])
-
-
-def _st_write(path: Path, tensors: Mapping[str, tuple[str, np.ndarray]], metadata: Mapping[str, str]) -> None:
-    """Write {name: (dtype, raw array)} as safetensors; `raw` already holds the dtype's bytes."""
-    header: dict[str, Any] = {"__metadata__": dict(metadata)}
-    offset = 0
-    for name, (dtype, arr) in tensors.items():
-        header[name] = {"dtype": dtype, "shape": list(arr.shape), "data_offsets": [offset, offset + arr.nbytes]}
-        offset += arr.nbytes
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)  # the format asks for an 8-byte aligned data section
-    with atomic_path(path) as tmp, open(tmp, "wb") as f:
-        f.write(len(blob).to_bytes(8, "little"))
-        f.write(blob)
-        for _, arr in tensors.values():
-            f.write(np.ascontiguousarray(arr).tobytes())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -375,7 +330,7 @@ def _read_peft_dir(src: Path, problems: list[str]) -> tuple[dict[str, Any] | Non
         problems.append(f"{WEIGHTS_NAME} is missing{legacy}")
     else:
         try:
-            index, data_start = _st_index(weights)
+            index, data_start = read_safetensors_index(weights)
         except (OSError, ValueError) as e:
             problems.append(f"{WEIGHTS_NAME} is not a readable safetensors file: {e}")
     return cfg, index, data_start
@@ -402,8 +357,8 @@ def _convert_factors(weights: Path, cfg: Mapping[str, Any], index: Mapping[str, 
             if target is not None:
                 rep.problems.append(f"{module} and {rep.hf_modules[target]} both map to {target}")
             continue
-        a = _st_read(weights, index[ab["A"]], data_start)
-        b = _st_read(weights, index[ab["B"]], data_start)
+        a = read_safetensors_tensor(weights, index[ab["A"]], data_start)
+        b = read_safetensors_tensor(weights, index[ab["B"]], data_start)
         a, b, err = _orient(module, a, b, h.tensors[target].shape, bool(cfg.get("fan_in_fan_out")))
         r = a.shape[0]
         r_cfg = int(_pattern_value(cfg.get("rank_pattern") or {}, module, cfg.get("r", r)))
@@ -543,7 +498,7 @@ def export_peft(adapter_gguf: str | os.PathLike[str], out_dir: str | os.PathLike
     cfg = _peft_config(h, arch, ranks, modules, base_model_name_or_path, n_blocks)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    _st_write(out / WEIGHTS_NAME, tensors, {"format": "pt"})
+    write_safetensors_file(out / WEIGHTS_NAME, tensors, {"format": "pt"})
     with atomic_path(out / CONFIG_NAME) as tmp:
         tmp.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     return out

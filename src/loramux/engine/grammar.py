@@ -27,7 +27,7 @@ import numpy as np
 from .. import _native as N
 from ..errors import BackendError, GrammarBudgetError, GrammarError
 from .grammar_cost import DEFAULT_LIMITS, YIELD_EVERY, GrammarLimits, check, syntax_error
-from .regex_gbnf import MAX_REPEAT, choice_gbnf, regex_to_gbnf
+from .regex_gbnf import MAX_REPEAT, choice_gbnf, integer_range, number_range, regex_to_gbnf
 from .work_clock import work_time
 
 if TYPE_CHECKING:
@@ -38,7 +38,6 @@ MAX_SCHEMA_CHARS = 1 << 18  # a JSON schema, as JSON text
 MAX_CHOICES = 1024
 MAX_SCHEMA_DEPTH = 64  # a JSON schema's nesting (objects and lists of its text)
 MAX_SCHEMA_PROPERTIES = 5000  # properties over the whole schema (as OpenAI allows; each becomes rules)
-MAX_DIGITS = 15  # unbounded integer parts: at most this many digits, as llama.cpp's converter does
 
 # Keywords the grammar enforces (or that only annotate); any other one makes a strict schema a 400.
 _ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
@@ -468,75 +467,6 @@ def _number_problems(schema: dict[str, Any], path: str) -> list[str]:
     return []
 
 
-# ------------------------------------------------------------------------------ bounded numbers
-
-def _same_length(a: str, b: str) -> list[str]:
-    """GBNF sequences for the digit strings of one length from a to b."""
-    if a == b:
-        return [" ".join(f'"{c}"' for c in a)]
-    if len(a) == 1:
-        return [f"[{a}-{b}]"]
-    if a[0] == b[0]:
-        return [f'"{a[0]}" {p}' for p in _same_length(a[1:], b[1:])]
-    out, rest = [], len(a) - 1
-    lo_full, hi_full = int(a[0]), int(b[0])
-    if a[1:] != "0" * rest:
-        out += [f'"{a[0]}" {p}' for p in _same_length(a[1:], "9" * rest)]
-        lo_full += 1
-    tail = []
-    if b[1:] != "9" * rest:
-        tail = [f'"{b[0]}" {p}' for p in _same_length("0" * rest, b[1:])]
-        hi_full -= 1
-    if lo_full <= hi_full:
-        first = f'"{lo_full}"' if lo_full == hi_full else f"[{lo_full}-{hi_full}]"
-        out.append(first + f" [0-9]{{{rest}}}")
-    return out + tail
-
-
-def _natural_range(lo: int, hi: int | None) -> str:
-    """GBNF for the decimal naturals in [lo, hi] (hi None: unbounded), with no leading zeros."""
-    alts: list[str] = []
-    d = len(str(lo))
-    while hi is None or lo <= hi:
-        top = 10 ** d - 1
-        end = top if hi is None else min(hi, top)
-        alts += _same_length(str(lo), str(end))
-        if hi is None:
-            alts.append(f"[1-9] [0-9]{{{d},{MAX_DIGITS}}}")
-            break
-        lo, d = end + 1, d + 1
-    return "(" + " | ".join(alts) + ")"
-
-
-def integer_range(lo: int | None, hi: int | None) -> str:
-    """GBNF for the JSON integers in [lo, hi] (None: unbounded on that side)."""
-    alts = []
-    if hi is None or hi >= 0:
-        alts.append(_natural_range(max(lo, 0) if lo is not None else 0, hi))
-    if lo is None or lo < 0:
-        m_lo = 1 if hi is None or hi >= 0 else -hi
-        alts.append('"-" ' + _natural_range(m_lo, None if lo is None else -lo))
-    return "(" + " | ".join(alts) + ")"
-
-
-def number_range(lo: int | None, hi: int | None) -> str:
-    """GBNF for JSON numbers in [lo, hi] with whole-number bounds: a decimal point, no exponent."""
-    frac = '("." [0-9]{1,15})?'
-    zero_frac = '("." "0"{1,15})?'
-
-    def magnitude(a: int, b: int | None) -> list[str]:  # decimals in [a, b], a, b whole and ≥ 0
-        if b is None:
-            return [f"{_natural_range(a, None)} {frac}"]
-        out = [f"{_natural_range(a, b - 1)} {frac}"] if b > a else []
-        return out + [f"{_natural_range(b, b)} {zero_frac}"]
-    alts = []
-    if hi is None or hi >= 0:
-        alts += magnitude(max(lo, 0) if lo is not None else 0, hi)
-    if lo is None or lo < 0:
-        alts += ['"-" ' + m for m in magnitude(0 if hi is None or hi >= 0 else -hi, None if lo is None else -lo)]
-    return "(" + " | ".join(alts) + ")"
-
-
 class _Converter(N.SchemaConverter):  # type: ignore[misc]
     """llama-cpp-python's SchemaConverter, plus numeric bounds and our regex subset for `pattern`."""
 
@@ -621,5 +551,5 @@ def union(grammars: Sequence[str]) -> str:
 
 
 __all__ = ["ActiveGrammar", "MAX_CHOICES", "MAX_GRAMMAR_CHARS", "MAX_SCHEMA_CHARS", "Grammar", "choice", "gbnf",
-           "integer_range", "json_object", "json_schema", "number_range", "regex", "schema_rules", "schemas_rules", "union",
+           "json_object", "json_schema", "regex", "schema_rules", "schemas_rules", "union",
            "unenforced"]

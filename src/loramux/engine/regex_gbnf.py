@@ -14,8 +14,9 @@ In JSON mode (a string schema's `pattern`) the grammar produces the pattern's te
 JSON string: `"` and `\\` come out escaped, and control characters, which JSON cannot hold raw, are
 left out of classes.
 
-Also the GBNF writers the other constraints share: literals and classes, and choice lists as prefix trees
-(`choice_gbnf`: a regex `a|b|c` of plain strings, written so that llama.cpp keeps few stacks).
+Also the GBNF writers the other constraints share: literals and classes, choice lists as prefix trees
+(`choice_gbnf`: a regex `a|b|c` of plain strings, written so that llama.cpp keeps few stacks), and the
+bounded JSON integers and numbers of a schema's `minimum`/`maximum` (`integer_range`, `number_range`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Any
 from ..errors import GrammarError
 
 MAX_PATTERN_CHARS = 8192
+MAX_DIGITS = 15  # unbounded integer parts: at most this many digits, as llama.cpp's converter does
 MAX_REPEAT = 1000  # {n,m} bounds: llama.cpp expands repetitions into rules
 MAX_DEPTH = 64
 MAX_CODE = 0x10FFFF
@@ -348,4 +350,75 @@ def choice_gbnf(options: list[str]) -> str:
     return "\n".join(rules) + "\n"
 
 
-__all__ = ["MAX_PATTERN_CHARS", "MAX_REPEAT", "choice_gbnf", "gbnf_class", "gbnf_literal", "regex_to_gbnf"]
+
+# ------------------------------------------------------------------------------ bounded numbers
+
+def _same_length(a: str, b: str) -> list[str]:
+    """GBNF sequences for the digit strings of one length from a to b."""
+    if a == b:
+        return [" ".join(f'"{c}"' for c in a)]
+    if len(a) == 1:
+        return [f"[{a}-{b}]"]
+    if a[0] == b[0]:
+        return [f'"{a[0]}" {p}' for p in _same_length(a[1:], b[1:])]
+    out, rest = [], len(a) - 1
+    lo_full, hi_full = int(a[0]), int(b[0])
+    if a[1:] != "0" * rest:
+        out += [f'"{a[0]}" {p}' for p in _same_length(a[1:], "9" * rest)]
+        lo_full += 1
+    tail = []
+    if b[1:] != "9" * rest:
+        tail = [f'"{b[0]}" {p}' for p in _same_length("0" * rest, b[1:])]
+        hi_full -= 1
+    if lo_full <= hi_full:
+        first = f'"{lo_full}"' if lo_full == hi_full else f"[{lo_full}-{hi_full}]"
+        out.append(first + f" [0-9]{{{rest}}}")
+    return out + tail
+
+
+def _natural_range(lo: int, hi: int | None) -> str:
+    """GBNF for the decimal naturals in [lo, hi] (hi None: unbounded), with no leading zeros."""
+    alts: list[str] = []
+    d = len(str(lo))
+    while hi is None or lo <= hi:
+        top = 10 ** d - 1
+        end = top if hi is None else min(hi, top)
+        alts += _same_length(str(lo), str(end))
+        if hi is None:
+            alts.append(f"[1-9] [0-9]{{{d},{MAX_DIGITS}}}")
+            break
+        lo, d = end + 1, d + 1
+    return "(" + " | ".join(alts) + ")"
+
+
+def integer_range(lo: int | None, hi: int | None) -> str:
+    """GBNF for the JSON integers in [lo, hi] (None: unbounded on that side)."""
+    alts = []
+    if hi is None or hi >= 0:
+        alts.append(_natural_range(max(lo, 0) if lo is not None else 0, hi))
+    if lo is None or lo < 0:
+        m_lo = 1 if hi is None or hi >= 0 else -hi
+        alts.append('"-" ' + _natural_range(m_lo, None if lo is None else -lo))
+    return "(" + " | ".join(alts) + ")"
+
+
+def number_range(lo: int | None, hi: int | None) -> str:
+    """GBNF for JSON numbers in [lo, hi] with whole-number bounds: a decimal point, no exponent."""
+    frac = '("." [0-9]{1,15})?'
+    zero_frac = '("." "0"{1,15})?'
+
+    def magnitude(a: int, b: int | None) -> list[str]:  # decimals in [a, b], a, b whole and ≥ 0
+        if b is None:
+            return [f"{_natural_range(a, None)} {frac}"]
+        out = [f"{_natural_range(a, b - 1)} {frac}"] if b > a else []
+        return out + [f"{_natural_range(b, b)} {zero_frac}"]
+    alts = []
+    if hi is None or hi >= 0:
+        alts += magnitude(max(lo, 0) if lo is not None else 0, hi)
+    if lo is None or lo < 0:
+        alts += ['"-" ' + m for m in magnitude(0 if hi is None or hi >= 0 else -hi, None if lo is None else -lo)]
+    return "(" + " | ".join(alts) + ")"
+
+
+__all__ = ["MAX_DIGITS", "MAX_PATTERN_CHARS", "MAX_REPEAT", "choice_gbnf", "gbnf_class", "gbnf_literal", "integer_range",
+           "number_range", "regex_to_gbnf"]

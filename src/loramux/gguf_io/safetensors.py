@@ -1,4 +1,5 @@
-"""safetensors in memory: a bounded parser of a request body, and a writer for the client.
+"""safetensors: a bounded parser of a request body and a writer for the client (in memory), and the
+streaming file reader and writer of PEFT conversion (numpy has no bfloat16, and loramux must not need torch).
 
 The format is an 8-byte little-endian header length, a JSON header (name → dtype, shape,
 data_offsets; optional ``__metadata__``) and the data. Factor pushes travel in it. The parser checks
@@ -12,12 +13,14 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ..errors import ParameterError
 from ..ggml_types import from_bf16_bits
+from . import atomic_path
 
 MAX_HEADER_BYTES = 16 << 20
 MAX_TENSORS = 65536
@@ -93,14 +96,53 @@ def dump_safetensors(tensors: Mapping[str, Any], metadata: Mapping[str, str] | N
         if hasattr(t, "detach"):  # torch
             t = t.detach().float().cpu().numpy()
         arrays[name] = np.ascontiguousarray(np.asarray(t, dtype=np.float32))
-    header: dict[str, Any] = {"__metadata__": dict(metadata or {})}
+    head = _header({n: ("F32", a) for n, a in arrays.items()}, metadata or {})
+    return b"".join([head, *(a.tobytes() for a in arrays.values())])
+
+
+def _header(tensors: Mapping[str, tuple[str, np.ndarray]], metadata: Mapping[str, str]) -> bytes:
+    """The length prefix and JSON header of a file holding `tensors` ({name: (dtype, raw array)}) in order."""
+    header: dict[str, Any] = {"__metadata__": dict(metadata)}
     offset = 0
-    for name, arr in arrays.items():
-        header[name] = {"dtype": "F32", "shape": list(arr.shape), "data_offsets": [offset, offset + arr.nbytes]}
+    for name, (dtype, arr) in tensors.items():
+        header[name] = {"dtype": dtype, "shape": list(arr.shape), "data_offsets": [offset, offset + arr.nbytes]}
         offset += arr.nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the format asks for an 8-byte aligned data section
-    return b"".join([len(blob).to_bytes(8, "little"), blob, *(a.tobytes() for a in arrays.values())])
+    return len(blob).to_bytes(8, "little") + blob
 
 
-__all__ = ["MAX_HEADER_BYTES", "MAX_TENSORS", "dump_safetensors", "parse_safetensors"]
+def read_safetensors_index(path: Path) -> tuple[dict[str, dict[str, Any]], int]:
+    """The tensor directory of a safetensors file (without ``__metadata__``) and its data section's offset."""
+    with path.open("rb") as f:
+        head = f.read(8)
+        if len(head) != 8:
+            raise ValueError("file is shorter than a safetensors header")
+        n = int.from_bytes(head, "little")
+        if n > 100 << 20:
+            raise ValueError(f"implausible header length {n}")
+        index = json.loads(f.read(n))
+    index.pop("__metadata__", None)
+    return index, 8 + n
+
+
+def read_safetensors_tensor(path: Path, entry: Mapping[str, Any], data_start: int) -> np.ndarray:
+    """One tensor of an index entry, read from the file alone, as float32."""
+    begin, end = entry["data_offsets"]
+    raw = np.fromfile(path, dtype=np.uint8, count=end - begin, offset=data_start + begin)
+    arr = raw.view(_DTYPES[entry["dtype"]])
+    if entry["dtype"] == "BF16":
+        arr = from_bf16_bits(arr)
+    return arr.astype(np.float32).reshape(entry["shape"])
+
+
+def write_safetensors_file(path: Path, tensors: Mapping[str, tuple[str, np.ndarray]], metadata: Mapping[str, str]) -> None:
+    """Write {name: (dtype, raw array)} as a safetensors file, atomically; `raw` already holds the dtype's bytes."""
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        f.write(_header(tensors, metadata))
+        for _, arr in tensors.values():
+            f.write(np.ascontiguousarray(arr).tobytes())
+
+
+__all__ = ["MAX_HEADER_BYTES", "MAX_TENSORS", "dump_safetensors", "parse_safetensors", "read_safetensors_index",
+           "read_safetensors_tensor", "write_safetensors_file"]
