@@ -176,8 +176,8 @@ class Scheduler:
             if masked:
                 assert self.bank is not None
                 self.bank.decode(self.ctx, entries)  # plans the per-token masks, decodes, checks them
-            else:
-                self.ctx.handle.decode(self.ctx.batch)
+            else:  # one adapter set, natively: no stop needed unless the KV guard checks writes
+                self.ctx.handle.decode(self.ctx.batch, eval_callback=guard is not None)
         finally:
             if guard is not None:
                 guard.disarm()  # raises BackendError when a KV write could not be checked
