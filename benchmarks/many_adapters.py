@@ -8,10 +8,14 @@ Zipf law (p_k ∝ 1/(k+1)^s) from a seeded generator, so both servers get the sa
 Reported per cell: aggregate generated tokens/s, p50/p99 request latency, p50/p99 time to first
 token, and for loramux its slot wait p99 (from /metrics) and the server's RSS before and after.
 
-Target (issue 21): loramux with 64 adapters ≥ 0.8× its own one-adapter throughput.
+Target (issue 21): loramux with 64 adapters ≥ 0.8× its own one-adapter throughput. With 256 adapters
+over the 8 slots: ≥ 0.95× the throughput of 8 adapters (all in slots, never rewritten: `--reference`),
+TTFT p50 ≤ 1.3× and p99 ≤ 3× it. Also per cell: the most decode steps a request waited for a slot,
+and the share of decodes that went through the bank's masks (the rest ran one adapter set natively).
 
     python benchmarks/many_adapters.py                      # needs benchmarks/build_peers.sh
     python benchmarks/many_adapters.py --counts 1,4,16 --no-llama-server --requests 16
+    python benchmarks/many_adapters.py --counts 8,256 --no-llama-server --requests 24 --tokens 16 --repeats 3
 """
 
 from __future__ import annotations
@@ -98,15 +102,22 @@ def run_cell(srv: Server, seq: list[int], parallel: int, n_tokens: int) -> dict[
             "distinct": len(set(seq))}
 
 
-def slot_wait_p99(srv: Server) -> float:
+BANK_FIGURES = ("loramux_slot_wait_p99_seconds", "loramux_slot_wait_max_steps", "loramux_decode_steps_total",
+                "loramux_bank_decodes_total")
+
+
+def bank_figures(srv: Server) -> dict[str, float]:
+    """loramux's slot-wait gauges and decode counters from /metrics (NaN where absent)."""
+    out = dict.fromkeys(BANK_FIGURES, float("nan"))
     try:
         text = httpx.get(srv.url + "/metrics", timeout=10).text
     except httpx.HTTPError:
-        return float("nan")
+        return out
     for line in text.splitlines():
-        if line.startswith("loramux_slot_wait_p99_seconds "):
-            return float(line.split()[1])
-    return float("nan")
+        name, _, value = line.partition(" ")
+        if name in out:
+            out[name] = float(value)
+    return out
 
 
 def write_adapters(work: Path, model: Path, n: int, rank: int) -> list[str]:
@@ -132,13 +143,21 @@ def bench_system(label: str, argv: list[str], kind: str, adapters: list[str], ar
     try:
         for dist in args.dists:
             runs = []
+            before = bank_figures(srv) if kind == "loramux" else {}
             for rep in range(max(1, args.repeats)):
                 seq = adapter_sequence(len(adapters), args.requests, dist, args.zipf_s, seed=7 + rep)
                 runs.append(run_cell(srv, seq, args.parallel, args.tokens))
             runs.sort(key=lambda r: r["tok_s"])
-            out[dist] = {**runs[(len(runs) - 1) // 2], "all_tok_s": [r["tok_s"] for r in runs]}
+            out[dist] = {**runs[(len(runs) - 1) // 2], "all_tok_s": [r["tok_s"] for r in runs],
+                         "all_ttft_p50": sorted(r["ttft_p50"] for r in runs),
+                         "all_ttft_p99": sorted(r["ttft_p99"] for r in runs)}
             if kind == "loramux":
-                out[dist]["slot_wait_p99"] = slot_wait_p99(srv)
+                after = bank_figures(srv)  # gauges over recent waits, counters since start (so: the difference)
+                steps = after["loramux_decode_steps_total"] - before["loramux_decode_steps_total"]
+                out[dist].update(slot_wait_p99=after["loramux_slot_wait_p99_seconds"],
+                                 slot_wait_max_steps=after["loramux_slot_wait_max_steps"],
+                                 bank_share=(after["loramux_bank_decodes_total"]
+                                             - before["loramux_bank_decodes_total"]) / steps if steps else float("nan"))
             print(f"{label}, {len(adapters)} adapters, {dist}: {out[dist]['tok_s']:.1f} tok/s", file=sys.stderr)
         out["rss_end_mb"] = rss_mb(srv.proc.pid)
     finally:
@@ -192,6 +211,9 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=32, help="requests per cell (default 32)")
     ap.add_argument("--tokens", type=int, default=32, help="generated tokens per request (default 32)")
     ap.add_argument("--rank", type=int, default=8, help="adapter rank (default 8)")
+    ap.add_argument("--reference", type=int, default=8,
+                    help="the count the ratios are taken against when it is in --counts (default 8: with the "
+                         "default bank of --parallel slots, every adapter in its own slot, never rewritten)")
     ap.add_argument("--no-llama-server", action="store_true", help="skip the llama-server peer")
     ap.add_argument("--plot", default=str(REPO_ROOT / "benchmarks" / "results" / "many_adapters.png"),
                     help="where to write the throughput plot ('' = none)")
@@ -236,14 +258,21 @@ def _cell(r: dict[str, Any] | None, dist: str) -> dict[str, Any] | None:
     return r.get(dist) if r and "failed" not in r else None
 
 
+def _med(xs: list[float]) -> float:
+    return float(np.median(xs)) if xs else float("nan")
+
+
 def report(results: dict[str, dict[int, Any]], counts: list[int], args: argparse.Namespace) -> None:
+    ref_n = args.reference if args.reference in counts else counts[0]
     for dist in args.dists:
-        one = _cell(results["loramux"].get(counts[0]), dist)
+        one = _cell(results["loramux"].get(ref_n), dist)
         rows = []
         for n in counts:
             lm, ls = _cell(results["loramux"].get(n), dist), _cell(results["llama-server"].get(n), dist)
             rows.append([str(n), f"{lm['tok_s']:.1f}" if lm else "-",
-                         f"{lm['tok_s'] / one['tok_s']:.2f}" if lm and one else "-",
+                         f"{_med(lm['all_tok_s']) / _med(one['all_tok_s']):.2f}" if lm and one else "-",
+                         f"{_med(lm['all_ttft_p50']) / _med(one['all_ttft_p50']):.2f} / "
+                         f"{_med(lm['all_ttft_p99']) / _med(one['all_ttft_p99']):.2f}" if lm and one else "-",
                          f"{ls['tok_s']:.1f}" if ls else "-",
                          f"{lm['tok_s'] / ls['tok_s']:.2f}×" if lm and ls else "-",
                          f"{lm['p50']:.2f} / {lm['p99']:.2f}" if lm else "-",
@@ -251,13 +280,16 @@ def report(results: dict[str, dict[int, Any]], counts: list[int], args: argparse
                          f"{lm['ttft_p50']:.2f} / {lm['ttft_p99']:.2f}" if lm else "-",
                          f"{ls['ttft_p50']:.2f} / {ls['ttft_p99']:.2f}" if ls else "-",
                          f"{lm['slot_wait_p99'] * 1000:.0f} ms" if lm and lm.get("slot_wait_p99") == lm.get(
-                             "slot_wait_p99") else "-"])
+                             "slot_wait_p99") else "-",
+                         f"{lm.get('slot_wait_max_steps', float('nan')):.0f}" if lm else "-",
+                         f"{lm.get('bank_share', float('nan')):.2f}" if lm else "-"])
         print_table(f"{dist} requests{f' (s = {args.zipf_s:g})' if dist == 'zipf' else ''}: {args.parallel} "
                     f"streams, {args.requests} requests × {args.tokens} tokens, {args.threads} threads, "
-                    f"rank-{args.rank} adapters (aggregate tokens/s; latency and TTFT p50 / p99 in s)",
-                    ["adapters", "loramux", "vs its 1 adapter", "llama-server", "loramux / llama-server",
-                     "loramux latency", "llama-server latency", "loramux TTFT", "llama-server TTFT",
-                     "loramux slot wait p99"], rows)
+                    f"rank-{args.rank} adapters (aggregate tokens/s; latency and TTFT p50 / p99 in s; ratios "
+                    f"of medians over {max(1, args.repeats)} repeats against {ref_n} adapters)",
+                    ["adapters", "loramux", f"tok/s vs {ref_n}", f"TTFT p50 / p99 vs {ref_n}", "llama-server",
+                     "loramux / llama-server", "loramux latency", "llama-server latency", "loramux TTFT",
+                     "llama-server TTFT", "loramux slot wait p99", "slot wait max steps", "bank decodes"], rows)
     rows = []
     for n in counts:
         lm, ls = results["loramux"].get(n) or {}, results["llama-server"].get(n) or {}

@@ -66,6 +66,7 @@ class Scheduler:
         self.group_steps = 0
         self.applied_cvec: Any = None
         self._slot_waits: deque[float] = deque(maxlen=SLOT_WAITS_KEPT)
+        self._slot_wait_steps: deque[int] = deque(maxlen=SLOT_WAITS_KEPT)  # the same waits in decode steps
         self.stats = Counters()  # engine thread only; readers get `stats.frozen()` (stats.py)
 
     # -- bookkeeping --------------------------------------------------------------------------
@@ -230,6 +231,8 @@ class Scheduler:
                 continue
             if r.slots:
                 self._slot_waits.append(time.monotonic() - r.blocked_at if r.blocked_at is not None else 0.0)
+                self._slot_wait_steps.append(self.stats.decode_steps - r.blocked_step if r.blocked_step is not None
+                                             else 0)
             free = [i for i, s in enumerate(self.slots) if s is None and i not in self.quarantined]
             seq, keep = max(((i, self._reusable(i, r)) for i in free), key=lambda x: x[1])
             shared = self._share(r, seq)
@@ -275,7 +278,7 @@ class Scheduler:
         if not waits:
             return SlotWaits()
         return SlotWaits(p50_s=waits[len(waits) // 2], p99_s=waits[min(len(waits) - 1, int(0.99 * len(waits)))],
-                         max_s=waits[-1])
+                         max_s=waits[-1], max_steps=max(self._slot_wait_steps, default=0))
 
     def _shareable(self, r: Request) -> Request | None:
         """The running sibling whose prompt KV `r` can share (unified KV, same prompt and adapters), or None."""
