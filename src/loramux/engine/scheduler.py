@@ -229,6 +229,7 @@ class Scheduler:
                 blocked.append(r)  # its adapters wait for bank slots; later requests may still go
                 skipped.append(r)
                 continue
+            r.admitted_step = self.stats.decode_steps
             if r.slots:
                 self._slot_waits.append(time.monotonic() - r.blocked_at if r.blocked_at is not None else 0.0)
                 self._slot_wait_steps.append(self.stats.decode_steps - r.blocked_step if r.blocked_step is not None
