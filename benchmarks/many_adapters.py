@@ -106,6 +106,9 @@ BANK_FIGURES = ("loramux_slot_wait_p99_seconds", "loramux_slot_wait_max_steps", 
                 "loramux_bank_decodes_total")
 
 
+BASELINE = "loramux (baseline)"
+
+
 def bank_figures(srv: Server) -> dict[str, float]:
     """loramux's slot-wait gauges and decode counters from /metrics (NaN where absent)."""
     out = dict.fromkeys(BANK_FIGURES, float("nan"))
@@ -132,36 +135,47 @@ def write_adapters(work: Path, model: Path, n: int, rank: int) -> list[str]:
     return out
 
 
-def bench_system(label: str, argv: list[str], kind: str, adapters: list[str], args: argparse.Namespace
-                 ) -> dict[str, Any]:
+def bench_systems(systems: list[tuple[str, list[str], str]], adapters: list[str], args: argparse.Namespace
+                  ) -> dict[str, dict[str, Any]]:
+    """Start every (label, argv, kind) server, then run each cell on each in turn, repeat by repeat, so
+    systems compared side by side share the machine's load; the median repeat per cell (by tokens/s)."""
+    out: dict[str, dict[str, Any]] = {}
+    live: list[tuple[str, str, Server]] = []
     try:
-        srv = Server(argv, kind, adapters)
-    except SystemExit as e:  # e.g. llama-server refusing this many adapters
-        print(f"{label} with {len(adapters)} adapters did not start: {e}", file=sys.stderr)
-        return {"failed": str(e)}
-    out: dict[str, Any] = {"startup_s": srv.startup, "rss_start_mb": rss_mb(srv.proc.pid)}
-    try:
+        for label, argv, kind in systems:
+            try:
+                srv = Server(argv, kind, adapters)
+            except SystemExit as e:  # e.g. llama-server refusing this many adapters
+                print(f"{label} with {len(adapters)} adapters did not start: {e}", file=sys.stderr)
+                out[label] = {"failed": str(e)}
+                continue
+            live.append((label, kind, srv))
+            out[label] = {"startup_s": srv.startup, "rss_start_mb": rss_mb(srv.proc.pid)}
         for dist in args.dists:
-            runs = []
-            before = bank_figures(srv) if kind == "loramux" else {}
+            runs: dict[str, list[dict[str, float]]] = {label: [] for label, _, _ in live}
+            before = {label: bank_figures(srv) for label, kind, srv in live if kind == "loramux"}
             for rep in range(max(1, args.repeats)):
                 seq = adapter_sequence(len(adapters), args.requests, dist, args.zipf_s, seed=7 + rep)
-                runs.append(run_cell(srv, seq, args.parallel, args.tokens))
-            runs.sort(key=lambda r: r["tok_s"])
-            out[dist] = {**runs[(len(runs) - 1) // 2], "all_tok_s": [r["tok_s"] for r in runs],
-                         "all_ttft_p50": sorted(r["ttft_p50"] for r in runs),
-                         "all_ttft_p99": sorted(r["ttft_p99"] for r in runs)}
-            if kind == "loramux":
-                after = bank_figures(srv)  # gauges over recent waits, counters since start (so: the difference)
-                steps = after["loramux_decode_steps_total"] - before["loramux_decode_steps_total"]
-                out[dist].update(slot_wait_p99=after["loramux_slot_wait_p99_seconds"],
-                                 slot_wait_max_steps=after["loramux_slot_wait_max_steps"],
-                                 bank_share=(after["loramux_bank_decodes_total"]
-                                             - before["loramux_bank_decodes_total"]) / steps if steps else float("nan"))
-            print(f"{label}, {len(adapters)} adapters, {dist}: {out[dist]['tok_s']:.1f} tok/s", file=sys.stderr)
-        out["rss_end_mb"] = rss_mb(srv.proc.pid)
+                for label, _, srv in live:
+                    runs[label].append(run_cell(srv, seq, args.parallel, args.tokens))
+            for label, kind, srv in live:
+                rs = sorted(runs[label], key=lambda r: r["tok_s"])
+                cell = out[label][dist] = {**rs[(len(rs) - 1) // 2], "all_tok_s": [r["tok_s"] for r in rs],
+                                           "all_ttft_p50": sorted(r["ttft_p50"] for r in rs),
+                                           "all_ttft_p99": sorted(r["ttft_p99"] for r in rs)}
+                if kind == "loramux":  # gauges over recent waits; counters since start (so: the difference)
+                    after = bank_figures(srv)
+                    steps = after["loramux_decode_steps_total"] - before[label]["loramux_decode_steps_total"]
+                    banked = after["loramux_bank_decodes_total"] - before[label]["loramux_bank_decodes_total"]
+                    cell.update(slot_wait_p99=after["loramux_slot_wait_p99_seconds"],
+                                slot_wait_max_steps=after["loramux_slot_wait_max_steps"],
+                                bank_share=banked / steps if steps else float("nan"))
+                print(f"{label}, {len(adapters)} adapters, {dist}: {cell['tok_s']:.1f} tok/s", file=sys.stderr)
+        for label, _, srv in live:
+            out[label]["rss_end_mb"] = rss_mb(srv.proc.pid)
     finally:
-        srv.close()
+        for _, _, srv in live:
+            srv.close()
     return out
 
 
@@ -215,6 +229,9 @@ def main() -> None:
                     help="the count the ratios are taken against when it is in --counts (default 8: with the "
                          "default bank of --parallel slots, every adapter in its own slot, never rewritten)")
     ap.add_argument("--no-llama-server", action="store_true", help="skip the llama-server peer")
+    ap.add_argument("--baseline-src", default=None,
+                    help="also serve from this source tree (a `src` folder of another loramux checkout) beside "
+                         "this one, cell by cell and repeat by repeat, and print both side by side")
     ap.add_argument("--plot", default=str(REPO_ROOT / "benchmarks" / "results" / "many_adapters.png"),
                     help="where to write the throughput plot ('' = none)")
     ap.add_argument("--slot-loads", action="store_true",
@@ -238,17 +255,24 @@ def main() -> None:
     info = machine_info(args.threads)
     print_machine(info)
     common = ["--n-ctx", "512", "--threads", str(args.threads), "--parallel", str(args.parallel)]
-    results: dict[str, dict[int, Any]] = {"loramux": {}, "llama-server": {}}
+    results: dict[str, dict[int, Any]] = {"loramux": {}, "llama-server": {}, BASELINE: {}}
     for n in counts:
         ads = all_adapters[:n]
-        lm = [sys.executable, "-m", "loramux", "serve", str(model), *common, "--public-metrics",
-              *[x for k, a in enumerate(ads) for x in ("--lora", f"a{k}={a}")]]
-        results["loramux"][n] = bench_system("loramux", lm, "loramux", ads, args)
+        serve = ["-m", "loramux", "serve", str(model), *common, "--public-metrics",
+                 *[x for k, a in enumerate(ads) for x in ("--lora", f"a{k}={a}")]]
+        systems = [("loramux", [sys.executable, *serve], "loramux")]
+        if args.baseline_src:  # the same server from another source tree, run beside this one
+            systems.append((BASELINE, ["env", f"PYTHONPATH={args.baseline_src}", sys.executable, *serve], "loramux"))
+        got = bench_systems(systems, ads, args)
+        for label in got:
+            results[label][n] = got[label]
         if not args.no_llama_server:
             ls = [str(peer_binary("llama-server")), "-m", str(model), "-t", str(args.threads), "-np",
                   str(args.parallel), "-c", str(512 * args.parallel), "--no-webui", "--lora", ",".join(ads)]
-            results["llama-server"][n] = bench_system("llama-server", ls, "llama-server", ads, args)
+            results["llama-server"][n] = bench_systems([("llama-server", ls, "llama-server")], ads, args)["llama-server"]
     report(results, counts, args)
+    if args.baseline_src:
+        report_baseline(results, counts, args)
     if args.plot:
         plot(results, counts, args, Path(args.plot))
     dump_json(args.json, {"machine": info, "results": results, "args": vars(args)})
@@ -298,6 +322,30 @@ def report(results: dict[str, dict[int, Any]], counts: list[int], args: argparse
                      f"{ls.get('rss_end_mb', float('nan')):.0f}" if ls else "-"])
     print_table("server RSS (MB): after start with N adapters loaded, and after the runs",
                 ["adapters", "loramux start", "loramux end", "llama-server start", "llama-server end"], rows)
+
+
+def report_baseline(results: dict[str, dict[int, Any]], counts: list[int], args: argparse.Namespace) -> None:
+    """--baseline-src: the same figures for both trees, run side by side, ratios against each one's reference."""
+    ref_n = args.reference if args.reference in counts else counts[0]
+    for dist in args.dists:
+        rows = []
+        for label in (BASELINE, "loramux"):
+            ref = _cell(results[label].get(ref_n), dist)
+            for n in counts:
+                c = _cell(results[label].get(n), dist)
+                if not c or not ref:
+                    continue
+                rows.append([label, str(n), f"{_med(c['all_tok_s']):.1f}",
+                             f"{_med(c['all_tok_s']) / _med(ref['all_tok_s']):.2f}",
+                             f"{_med(c['all_ttft_p50']):.2f} / {_med(c['all_ttft_p99']):.2f}",
+                             f"{_med(c['all_ttft_p50']) / _med(ref['all_ttft_p50']):.2f} / "
+                             f"{_med(c['all_ttft_p99']) / _med(ref['all_ttft_p99']):.2f}",
+                             f"{c.get('slot_wait_max_steps', float('nan')):.0f}",
+                             f"{c.get('bank_share', float('nan')):.2f}"])
+        print_table(f"{dist}: this tree against --baseline-src, side by side (medians of {max(1, args.repeats)} "
+                    f"repeats; ratios against {ref_n} adapters)",
+                    ["server", "adapters", "tok/s", f"vs {ref_n}", "TTFT p50 / p99 (s)", f"TTFT vs {ref_n}",
+                     "slot wait max steps", "bank decodes"], rows)
 
 
 def plot(results: dict[str, dict[int, Any]], counts: list[int], args: argparse.Namespace, path: Path) -> None:
