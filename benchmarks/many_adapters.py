@@ -144,7 +144,7 @@ def bench_systems(systems: list[tuple[str, list[str], str]], adapters: list[str]
     try:
         for label, argv, kind in systems:
             try:
-                srv = Server(argv, kind, adapters)
+                srv = Server(argv, kind, adapters, start_timeout=args.start_timeout)
             except SystemExit as e:  # e.g. llama-server refusing this many adapters
                 print(f"{label} with {len(adapters)} adapters did not start: {e}", file=sys.stderr)
                 out[label] = {"failed": str(e)}
@@ -229,6 +229,8 @@ def main() -> None:
                     help="the count the ratios are taken against when it is in --counts (default 8: with the "
                          "default bank of --parallel slots, every adapter in its own slot, never rewritten)")
     ap.add_argument("--no-llama-server", action="store_true", help="skip the llama-server peer")
+    ap.add_argument("--start-timeout", type=float, default=300,
+                    help="seconds a server may take to load its adapters and listen (default 300)")
     ap.add_argument("--baseline-src", default=None,
                     help="also serve from this source tree (a `src` folder of another loramux checkout) beside "
                          "this one, cell by cell and repeat by repeat, and print both side by side")

@@ -91,8 +91,10 @@ class Scheduler:
         if self.guard is not None and not self.can_guard and self.guard.risky(sets):
             raise self.guard.refusal(sets)
         self.waiting.append(req)
-        if self.bank is not None and len(self.waiting) > self.slots.count(None):
-            self._prefetch(req)  # it will wait: make its adapters warm meanwhile (off this thread)
+        if self.bank is not None:
+            # make its adapters warm now, off this thread (those in a slot or warm already are skipped):
+            # even a request admitted at the next step would otherwise prepare them here, stalling the step
+            self._prefetch(req)
 
     def _prefetch(self, req: Request) -> None:
         assert self.bank is not None
