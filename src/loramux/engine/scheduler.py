@@ -91,9 +91,10 @@ class Scheduler:
         if self.guard is not None and not self.can_guard and self.guard.risky(sets):
             raise self.guard.refusal(sets)
         self.waiting.append(req)
-        if self.bank is not None:
-            # make its adapters warm now, off this thread (those in a slot or warm already are skipped):
-            # even a request admitted at the next step would otherwise prepare them here, stalling the step
+        if self.bank is not None and len(self.waiting) > self.slots.count(None):
+            # it will wait: make its adapters warm meanwhile (off this thread). Not for one admitted at
+            # once: its admission (this loop, next step) would prepare them here before the worker is done,
+            # so both would (measured: slower at 256 adapters over 8 slots, BENCHMARKS.md)
             self._prefetch(req)
 
     def _prefetch(self, req: Request) -> None:
