@@ -13,6 +13,10 @@ on the same llama.cpp build, so the bank's gain and its ceiling on this machine 
                  overflow the cache, see docs/server.md, "Numeric safety": this row is its cost);
 - bank, no masks: the bank in the graph without the eval callback (output wrong; it splits the
                  bank's cost into its wider factors and its masks);
+- one adapter on the bank's context: the one-adapter step natively on a context created with the
+                 bank's eval callback (what loramux serve does when every token of a decode uses one
+                 adapter set): as served (the callback taken off llama.cpp's scheduler for the decode)
+                 and with the callback left on (ggml then asks it about every graph node);
 - rotation:      what llama-server does with 4 adapter sets: 4 steps of 2 sequences, switching the
                  context's adapter before each (the switch is part of the cost).
 
@@ -29,6 +33,7 @@ bank that costs nothing. The ratio depends on how well the CPU batches tokens (a
 costs 8 times a 1-token step's arithmetic in the output head and every projection).
 
     python benchmarks/bank_step.py --repeats 40
+    python benchmarks/bank_step.py --callback-only --repeats 60   # the eval callback's cost alone
 """
 
 from __future__ import annotations
@@ -94,6 +99,7 @@ def build(args: argparse.Namespace, work: Path) -> tuple[list[System], list[Syst
 
     guard = KvGuard(model, bank.callback, "f16")
     guarded = [False]
+    asks = [True]  # False: the decode runs without the context's eval callback (ContextHandle.decode)
 
     def decode(ctx: Any, seqs: list[int], n_tok: int, mask: bool) -> None:
         """Decode the filled batch (n_tok tokens for each of `seqs`), masked through the bank if asked."""
@@ -105,7 +111,7 @@ def build(args: argparse.Namespace, work: Path) -> tuple[list[System], list[Syst
         if guarded[0]:
             guard.arm(b.n)
         try:
-            ctx.handle.decode(b)
+            ctx.handle.decode(b, eval_callback=asks[0])
         finally:
             if guarded[0] and len(guard.disarm()):
                 raise SystemExit("error: the KV guard zeroed tokens of ordinary adapters")
@@ -150,6 +156,16 @@ def build(args: argparse.Namespace, work: Path) -> tuple[list[System], list[Syst
                 guarded[0] = False
         return checked
 
+    def without_callback(fn: Callable[[Any, int, int], None]) -> Callable[[Any, int, int], None]:
+        """The same step with the eval callback off llama.cpp's scheduler (a native decode as served)."""
+        def lean(ctx: Any, pos: int, it: int) -> None:
+            asks[0] = False
+            try:
+                fn(ctx, pos, it)
+            finally:
+                asks[0] = True
+        return lean
+
     systems = []
     for label, cb, loras, fn in [
         ("base (no adapter)", None, [], step(every)),
@@ -160,6 +176,9 @@ def build(args: argparse.Namespace, work: Path) -> tuple[list[System], list[Syst
         ("slot bank, no masks (cost split only)", None, [bank.adapter], step(every)),
         ("rotation: 4 sets × 2 sequences", None, [adapters[0]], step(by_adapter, switch=True)),
         ("4 × 2 sequences, no adapter switch", None, [adapters[0]], step(by_adapter)),
+        ("one adapter on the bank's context, callback on", bank.callback, [adapters[0]], step(every)),
+        ("one adapter on the bank's context, as served", bank.callback, [adapters[0]],
+         without_callback(step(every))),
     ]:
         ctx = Context(model, opts, callback=cb)
         ctx.handle.set_adapters([a.handle for a in loras], [1.0] * len(loras))
@@ -208,6 +227,8 @@ def main() -> None:
     ap.add_argument("--flash-attn", action="store_true", help="flash attention on in every context")
     ap.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per sequence in the prefill part "
                     "(default 32; at most 64)")
+    ap.add_argument("--callback-only", action="store_true",
+                    help="only the native one-adapter step on the bank's context, eval callback on vs as served")
     ap.add_argument("--prefill-repeats", type=int, default=10, help="interleaved prefills per system (default 10)")
     args = ap.parse_args()
     if not 1 <= args.prompt_len <= 512 // N_SEQ:
@@ -219,19 +240,24 @@ def main() -> None:
     info = machine_info(args.threads)
     print_machine(info)
     systems, fills, keep = build(args, work)
+    if args.callback_only:  # the two eval-callback rows alone (no prefill part)
+        systems, fills = [s for s in systems if "bank's context" in s.label], []
     prefill(systems, args.context)
     for it in range(args.repeats):  # interleaved: each round runs one step of every system
         for s in systems:
             s.run(args.context + it, it)
         print(f"\rstep {it + 1}/{args.repeats}", end="", file=sys.stderr, flush=True)
     print(file=sys.stderr)
-    for it in range(args.prefill_repeats + 1):  # the first round only warms up (graph reserve)
+    for it in range(args.prefill_repeats + 1 if fills else 0):  # the first round only warms up (graph reserve)
         for f in fills:
             f.run(0, it)
             if it == 0:
                 f.times.clear()
-    report(systems, args)
-    report_prefill(fills, args)
+    if args.callback_only:
+        report_callback(systems, args)
+    else:
+        report(systems, args)
+        report_prefill(fills, args)
     dump_json(args.json, {"machine": info, "args": vars(args),
                           "steps_s": {s.label: s.times for s in systems},
                           "prefill_s": {f.label: f.times for f in fills}})
@@ -240,7 +266,7 @@ def main() -> None:
 
 def report(systems: list[System], args: argparse.Namespace) -> None:
     med = {s.label: median(s.times) for s in systems}
-    base, one, bank, transfer, guarded, unmasked, rot, groups = (med[s.label] for s in systems)
+    base, one, bank, transfer, guarded, unmasked, rot, groups, asked, lean = (med[s.label] for s in systems)
     rows = [[s.label, f"{med[s.label] * 1e3:.1f}", f"{N_SEQ / med[s.label]:.0f}",
              f"{rot / med[s.label]:.2f}×", f"{one / med[s.label]:.2f}×"] for s in systems]
     print_table(f"one decode step of {N_SEQ} sequences ({N_ADAPTERS} adapters of rank {args.rank}, "
@@ -256,6 +282,20 @@ def report(systems: list[System], args: argparse.Namespace) -> None:
           f"in place ({(transfer - bank) * 1e3:+.2f} ms a step)")
     print(f"KV guard (stops at every K/V write; only for decodes with a risky adapter set): {bank / guarded:.2f}× "
           f"the speed of the bank without it ({(guarded - bank) * 1e3:+.2f} ms a step)")
+    print(f"one adapter natively on the bank's context: as served (no eval callback) {asked / lean:.3f}× the "
+          f"speed of the callback left on ({(asked - lean) * 1e3:+.2f} ms a step); {one / lean:.3f}× the "
+          f"speed of a context without one")
+
+
+def report_callback(systems: list[System], args: argparse.Namespace) -> None:
+    """--callback-only: a native one-adapter step on the bank's context, callback left on vs as served."""
+    asked, lean = (median(s.times) for s in systems)
+    print_table(f"one decode step of {N_SEQ} sequences on one native adapter, on a context with the bank's eval "
+                f"callback ({args.threads} threads, median of {args.repeats} interleaved steps)",
+                ["system", "step ms", "tokens/s"],
+                [[s.label, f"{median(s.times) * 1e3:.2f}", f"{N_SEQ / median(s.times):.1f}"] for s in systems])
+    print(f"\nas served (callback off the scheduler): {asked / lean:.3f}× the speed of the callback left on "
+          f"({(asked - lean) * 1e3:+.2f} ms a step)")
 
 
 def report_prefill(fills: list[System], args: argparse.Namespace) -> None:

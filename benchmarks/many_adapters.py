@@ -8,10 +8,14 @@ Zipf law (p_k ∝ 1/(k+1)^s) from a seeded generator, so both servers get the sa
 Reported per cell: aggregate generated tokens/s, p50/p99 request latency, p50/p99 time to first
 token, and for loramux its slot wait p99 (from /metrics) and the server's RSS before and after.
 
-Target (issue 21): loramux with 64 adapters ≥ 0.8× its own one-adapter throughput.
+Target (issue 21): loramux with 64 adapters ≥ 0.8× its own one-adapter throughput. With 256 adapters
+over the 8 slots: ≥ 0.95× the throughput of 8 adapters (all in slots, never rewritten: `--reference`),
+TTFT p50 ≤ 1.3× and p99 ≤ 3× it. Also per cell: the most decode steps a request waited for a slot,
+and the share of decodes that went through the bank's masks (the rest ran one adapter set natively).
 
     python benchmarks/many_adapters.py                      # needs benchmarks/build_peers.sh
     python benchmarks/many_adapters.py --counts 1,4,16 --no-llama-server --requests 16
+    python benchmarks/many_adapters.py --counts 8,256 --no-llama-server --requests 24 --tokens 16 --repeats 3
 """
 
 from __future__ import annotations
@@ -98,15 +102,25 @@ def run_cell(srv: Server, seq: list[int], parallel: int, n_tokens: int) -> dict[
             "distinct": len(set(seq))}
 
 
-def slot_wait_p99(srv: Server) -> float:
+BANK_FIGURES = ("loramux_slot_wait_p99_seconds", "loramux_slot_wait_max_steps", "loramux_decode_steps_total",
+                "loramux_bank_decodes_total")
+
+
+BASELINE = "loramux (baseline)"
+
+
+def bank_figures(srv: Server) -> dict[str, float]:
+    """loramux's slot-wait gauges and decode counters from /metrics (NaN where absent)."""
+    out = dict.fromkeys(BANK_FIGURES, float("nan"))
     try:
         text = httpx.get(srv.url + "/metrics", timeout=10).text
     except httpx.HTTPError:
-        return float("nan")
+        return out
     for line in text.splitlines():
-        if line.startswith("loramux_slot_wait_p99_seconds "):
-            return float(line.split()[1])
-    return float("nan")
+        name, _, value = line.partition(" ")
+        if name in out:
+            out[name] = float(value)
+    return out
 
 
 def write_adapters(work: Path, model: Path, n: int, rank: int) -> list[str]:
@@ -121,28 +135,47 @@ def write_adapters(work: Path, model: Path, n: int, rank: int) -> list[str]:
     return out
 
 
-def bench_system(label: str, argv: list[str], kind: str, adapters: list[str], args: argparse.Namespace
-                 ) -> dict[str, Any]:
+def bench_systems(systems: list[tuple[str, list[str], str]], adapters: list[str], args: argparse.Namespace
+                  ) -> dict[str, dict[str, Any]]:
+    """Start every (label, argv, kind) server, then run each cell on each in turn, repeat by repeat, so
+    systems compared side by side share the machine's load; the median repeat per cell (by tokens/s)."""
+    out: dict[str, dict[str, Any]] = {}
+    live: list[tuple[str, str, Server]] = []
     try:
-        srv = Server(argv, kind, adapters)
-    except SystemExit as e:  # e.g. llama-server refusing this many adapters
-        print(f"{label} with {len(adapters)} adapters did not start: {e}", file=sys.stderr)
-        return {"failed": str(e)}
-    out: dict[str, Any] = {"startup_s": srv.startup, "rss_start_mb": rss_mb(srv.proc.pid)}
-    try:
+        for label, argv, kind in systems:
+            try:
+                srv = Server(argv, kind, adapters, start_timeout=args.start_timeout)
+            except SystemExit as e:  # e.g. llama-server refusing this many adapters
+                print(f"{label} with {len(adapters)} adapters did not start: {e}", file=sys.stderr)
+                out[label] = {"failed": str(e)}
+                continue
+            live.append((label, kind, srv))
+            out[label] = {"startup_s": srv.startup, "rss_start_mb": rss_mb(srv.proc.pid)}
         for dist in args.dists:
-            runs = []
+            runs: dict[str, list[dict[str, float]]] = {label: [] for label, _, _ in live}
+            before = {label: bank_figures(srv) for label, kind, srv in live if kind == "loramux"}
             for rep in range(max(1, args.repeats)):
                 seq = adapter_sequence(len(adapters), args.requests, dist, args.zipf_s, seed=7 + rep)
-                runs.append(run_cell(srv, seq, args.parallel, args.tokens))
-            runs.sort(key=lambda r: r["tok_s"])
-            out[dist] = {**runs[(len(runs) - 1) // 2], "all_tok_s": [r["tok_s"] for r in runs]}
-            if kind == "loramux":
-                out[dist]["slot_wait_p99"] = slot_wait_p99(srv)
-            print(f"{label}, {len(adapters)} adapters, {dist}: {out[dist]['tok_s']:.1f} tok/s", file=sys.stderr)
-        out["rss_end_mb"] = rss_mb(srv.proc.pid)
+                for label, _, srv in live:
+                    runs[label].append(run_cell(srv, seq, args.parallel, args.tokens))
+            for label, kind, srv in live:
+                rs = sorted(runs[label], key=lambda r: r["tok_s"])
+                cell = out[label][dist] = {**rs[(len(rs) - 1) // 2], "all_tok_s": [r["tok_s"] for r in rs],
+                                           "all_ttft_p50": sorted(r["ttft_p50"] for r in rs),
+                                           "all_ttft_p99": sorted(r["ttft_p99"] for r in rs)}
+                if kind == "loramux":  # gauges over recent waits; counters since start (so: the difference)
+                    after = bank_figures(srv)
+                    steps = after["loramux_decode_steps_total"] - before[label]["loramux_decode_steps_total"]
+                    banked = after["loramux_bank_decodes_total"] - before[label]["loramux_bank_decodes_total"]
+                    cell.update(slot_wait_p99=after["loramux_slot_wait_p99_seconds"],
+                                slot_wait_max_steps=after["loramux_slot_wait_max_steps"],
+                                bank_share=banked / steps if steps else float("nan"))
+                print(f"{label}, {len(adapters)} adapters, {dist}: {cell['tok_s']:.1f} tok/s", file=sys.stderr)
+        for label, _, srv in live:
+            out[label]["rss_end_mb"] = rss_mb(srv.proc.pid)
     finally:
-        srv.close()
+        for _, _, srv in live:
+            srv.close()
     return out
 
 
@@ -192,7 +225,15 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=32, help="requests per cell (default 32)")
     ap.add_argument("--tokens", type=int, default=32, help="generated tokens per request (default 32)")
     ap.add_argument("--rank", type=int, default=8, help="adapter rank (default 8)")
+    ap.add_argument("--reference", type=int, default=8,
+                    help="the count the ratios are taken against when it is in --counts (default 8: with the "
+                         "default bank of --parallel slots, every adapter in its own slot, never rewritten)")
     ap.add_argument("--no-llama-server", action="store_true", help="skip the llama-server peer")
+    ap.add_argument("--start-timeout", type=float, default=300,
+                    help="seconds a server may take to load its adapters and listen (default 300)")
+    ap.add_argument("--baseline-src", default=None,
+                    help="also serve from this source tree (a `src` folder of another loramux checkout) beside "
+                         "this one, cell by cell and repeat by repeat, and print both side by side")
     ap.add_argument("--plot", default=str(REPO_ROOT / "benchmarks" / "results" / "many_adapters.png"),
                     help="where to write the throughput plot ('' = none)")
     ap.add_argument("--slot-loads", action="store_true",
@@ -216,17 +257,24 @@ def main() -> None:
     info = machine_info(args.threads)
     print_machine(info)
     common = ["--n-ctx", "512", "--threads", str(args.threads), "--parallel", str(args.parallel)]
-    results: dict[str, dict[int, Any]] = {"loramux": {}, "llama-server": {}}
+    results: dict[str, dict[int, Any]] = {"loramux": {}, "llama-server": {}, BASELINE: {}}
     for n in counts:
         ads = all_adapters[:n]
-        lm = [sys.executable, "-m", "loramux", "serve", str(model), *common, "--public-metrics",
-              *[x for k, a in enumerate(ads) for x in ("--lora", f"a{k}={a}")]]
-        results["loramux"][n] = bench_system("loramux", lm, "loramux", ads, args)
+        serve = ["-m", "loramux", "serve", str(model), *common, "--public-metrics",
+                 *[x for k, a in enumerate(ads) for x in ("--lora", f"a{k}={a}")]]
+        systems = [("loramux", [sys.executable, *serve], "loramux")]
+        if args.baseline_src:  # the same server from another source tree, run beside this one
+            systems.append((BASELINE, ["env", f"PYTHONPATH={args.baseline_src}", sys.executable, *serve], "loramux"))
+        got = bench_systems(systems, ads, args)
+        for label in got:
+            results[label][n] = got[label]
         if not args.no_llama_server:
             ls = [str(peer_binary("llama-server")), "-m", str(model), "-t", str(args.threads), "-np",
                   str(args.parallel), "-c", str(512 * args.parallel), "--no-webui", "--lora", ",".join(ads)]
-            results["llama-server"][n] = bench_system("llama-server", ls, "llama-server", ads, args)
+            results["llama-server"][n] = bench_systems([("llama-server", ls, "llama-server")], ads, args)["llama-server"]
     report(results, counts, args)
+    if args.baseline_src:
+        report_baseline(results, counts, args)
     if args.plot:
         plot(results, counts, args, Path(args.plot))
     dump_json(args.json, {"machine": info, "results": results, "args": vars(args)})
@@ -236,14 +284,21 @@ def _cell(r: dict[str, Any] | None, dist: str) -> dict[str, Any] | None:
     return r.get(dist) if r and "failed" not in r else None
 
 
+def _med(xs: list[float]) -> float:
+    return float(np.median(xs)) if xs else float("nan")
+
+
 def report(results: dict[str, dict[int, Any]], counts: list[int], args: argparse.Namespace) -> None:
+    ref_n = args.reference if args.reference in counts else counts[0]
     for dist in args.dists:
-        one = _cell(results["loramux"].get(counts[0]), dist)
+        one = _cell(results["loramux"].get(ref_n), dist)
         rows = []
         for n in counts:
             lm, ls = _cell(results["loramux"].get(n), dist), _cell(results["llama-server"].get(n), dist)
             rows.append([str(n), f"{lm['tok_s']:.1f}" if lm else "-",
-                         f"{lm['tok_s'] / one['tok_s']:.2f}" if lm and one else "-",
+                         f"{_med(lm['all_tok_s']) / _med(one['all_tok_s']):.2f}" if lm and one else "-",
+                         f"{_med(lm['all_ttft_p50']) / _med(one['all_ttft_p50']):.2f} / "
+                         f"{_med(lm['all_ttft_p99']) / _med(one['all_ttft_p99']):.2f}" if lm and one else "-",
                          f"{ls['tok_s']:.1f}" if ls else "-",
                          f"{lm['tok_s'] / ls['tok_s']:.2f}×" if lm and ls else "-",
                          f"{lm['p50']:.2f} / {lm['p99']:.2f}" if lm else "-",
@@ -251,13 +306,16 @@ def report(results: dict[str, dict[int, Any]], counts: list[int], args: argparse
                          f"{lm['ttft_p50']:.2f} / {lm['ttft_p99']:.2f}" if lm else "-",
                          f"{ls['ttft_p50']:.2f} / {ls['ttft_p99']:.2f}" if ls else "-",
                          f"{lm['slot_wait_p99'] * 1000:.0f} ms" if lm and lm.get("slot_wait_p99") == lm.get(
-                             "slot_wait_p99") else "-"])
+                             "slot_wait_p99") else "-",
+                         f"{lm.get('slot_wait_max_steps', float('nan')):.0f}" if lm else "-",
+                         f"{lm.get('bank_share', float('nan')):.2f}" if lm else "-"])
         print_table(f"{dist} requests{f' (s = {args.zipf_s:g})' if dist == 'zipf' else ''}: {args.parallel} "
                     f"streams, {args.requests} requests × {args.tokens} tokens, {args.threads} threads, "
-                    f"rank-{args.rank} adapters (aggregate tokens/s; latency and TTFT p50 / p99 in s)",
-                    ["adapters", "loramux", "vs its 1 adapter", "llama-server", "loramux / llama-server",
-                     "loramux latency", "llama-server latency", "loramux TTFT", "llama-server TTFT",
-                     "loramux slot wait p99"], rows)
+                    f"rank-{args.rank} adapters (aggregate tokens/s; latency and TTFT p50 / p99 in s; ratios "
+                    f"of medians over {max(1, args.repeats)} repeats against {ref_n} adapters)",
+                    ["adapters", "loramux", f"tok/s vs {ref_n}", f"TTFT p50 / p99 vs {ref_n}", "llama-server",
+                     "loramux / llama-server", "loramux latency", "llama-server latency", "loramux TTFT",
+                     "llama-server TTFT", "loramux slot wait p99", "slot wait max steps", "bank decodes"], rows)
     rows = []
     for n in counts:
         lm, ls = results["loramux"].get(n) or {}, results["llama-server"].get(n) or {}
@@ -266,6 +324,30 @@ def report(results: dict[str, dict[int, Any]], counts: list[int], args: argparse
                      f"{ls.get('rss_end_mb', float('nan')):.0f}" if ls else "-"])
     print_table("server RSS (MB): after start with N adapters loaded, and after the runs",
                 ["adapters", "loramux start", "loramux end", "llama-server start", "llama-server end"], rows)
+
+
+def report_baseline(results: dict[str, dict[int, Any]], counts: list[int], args: argparse.Namespace) -> None:
+    """--baseline-src: the same figures for both trees, run side by side, ratios against each one's reference."""
+    ref_n = args.reference if args.reference in counts else counts[0]
+    for dist in args.dists:
+        rows = []
+        for label in (BASELINE, "loramux"):
+            ref = _cell(results[label].get(ref_n), dist)
+            for n in counts:
+                c = _cell(results[label].get(n), dist)
+                if not c or not ref:
+                    continue
+                rows.append([label, str(n), f"{_med(c['all_tok_s']):.1f}",
+                             f"{_med(c['all_tok_s']) / _med(ref['all_tok_s']):.2f}",
+                             f"{_med(c['all_ttft_p50']):.2f} / {_med(c['all_ttft_p99']):.2f}",
+                             f"{_med(c['all_ttft_p50']) / _med(ref['all_ttft_p50']):.2f} / "
+                             f"{_med(c['all_ttft_p99']) / _med(ref['all_ttft_p99']):.2f}",
+                             f"{c.get('slot_wait_max_steps', float('nan')):.0f}",
+                             f"{c.get('bank_share', float('nan')):.2f}"])
+        print_table(f"{dist}: this tree against --baseline-src, side by side (medians of {max(1, args.repeats)} "
+                    f"repeats; ratios against {ref_n} adapters)",
+                    ["server", "adapters", "tok/s", f"vs {ref_n}", "TTFT p50 / p99 (s)", f"TTFT vs {ref_n}",
+                     "slot wait max steps", "bank decodes"], rows)
 
 
 def plot(results: dict[str, dict[int, Any]], counts: list[int], args: argparse.Namespace, path: Path) -> None:

@@ -52,13 +52,13 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, argv: list[str], kind: str, adapters: list[str]) -> None:
+    def __init__(self, argv: list[str], kind: str, adapters: list[str], start_timeout: float = 300) -> None:
         self.port = free_port()
         self.kind, self.adapters = kind, adapters
         self.url = f"http://127.0.0.1:{self.port}"
         argv = argv + ["--port", str(self.port)]
         self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        self.startup = wait_ready(self.url, self.proc)
+        self.startup = wait_ready(self.url, self.proc, timeout=start_timeout)
 
     def body(self, i: int, adapter: int | None, n: int) -> dict[str, Any]:
         b: dict[str, Any] = {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": n, "temperature": 0.0,

@@ -343,7 +343,7 @@ def test_every_exported_figure_comes_from_its_field():
     counters = EngineStats(**{f.name: 100 + i for i, f in enumerate(dataclasses.fields(EngineStats))})
     counters = dataclasses.replace(counters, prompt_tokens=1000)  # more than the reused ones
     eng = SchedulerSnapshot(waiting=3, running=5, kv_used=64, kv_total=256, running_adapters={"a": 2},
-                            waiting_adapters={"b": 1}, slot_waits=SlotWaits(0.25, 0.75, 2.0), counters=counters,
+                            waiting_adapters={"b": 1}, slot_waits=SlotWaits(0.25, 0.75, 2.0, 14), counters=counters,
                             kv_guarded_decodes=7)
     snap = ServerSnapshot(engine=eng, resident=("a", "c"), known=9, waiting_not_resident=("b",), max_lora=4,
                           evictions=11, loads={"ok": 12, "error": 13}, in_flight=6)
@@ -356,7 +356,8 @@ def test_every_exported_figure_comes_from_its_field():
         "vllm:num_requests_waiting": 3, "vllm:num_requests_running": 5, "vllm:kv_cache_usage_perc": 0.25,
         "vllm:gpu_cache_usage_perc": 0.25, "loramux_kv_cache_usage_ratio": 0.25, "loramux_resident_adapters": 2,
         "loramux_known_adapters": 9, "loramux_requests_in_flight": 6, "loramux_slot_wait_p50_seconds": 0.25,
-        "loramux_slot_wait_p99_seconds": 0.75, 'loramux_adapter_requests_running{adapter="a"}': 2,
+        "loramux_slot_wait_p99_seconds": 0.75, "loramux_slot_wait_max_steps": 14,
+        "loramux_bank_decodes_total": counters.bank_decodes, 'loramux_adapter_requests_running{adapter="a"}': 2,
         'loramux_adapter_requests_waiting{adapter="b"}': 1,
         "loramux_adapter_switches_total": counters.adapter_switches, "loramux_decode_steps_total": counters.decode_steps,
         "loramux_adapter_evictions_total": 11, "loramux_kv_guarded_decodes_total": 7,

@@ -785,3 +785,76 @@ def test_the_kv_guard_maps_zeroed_tokens_to_their_batch_entries(setup):
     for bad, want in [([], set()), ([0], {0}), ([2], {0}), ([3], {1}), ([4, 5], {2}), ([2, 3, 5], {0, 1, 2})]:
         guard.last_bad = np.array(bad, np.int64)
         assert guard.hit_entries([3, 1, 2]) == want, bad
+
+
+# -- decodes without the eval callback ---------------------------------------------------------------
+
+def _fill(ctx, seq_tokens):
+    ctx.clear()
+    ctx.batch.clear()
+    for s, toks in enumerate(seq_tokens):
+        ctx.batch.add(toks, 0, s, [False] * (len(toks) - 1) + [True])
+
+
+def _rows(ctx):
+    return [ctx.handle.logits_row(i) for i in np.nonzero(ctx.batch.logits[: ctx.batch.n])[0]]
+
+
+def test_a_decode_without_the_eval_callback_asks_about_no_node_and_gives_the_same_logits(setup):
+    """A native decode on a bank context takes the callback off llama.cpp's scheduler and puts it back."""
+    model, bank, users, tmp = setup
+    asks = [0]
+
+    def count(t, ask):
+        asks[0] += bool(ask)
+        return False  # never stop: the graph runs as without a callback
+    seq_tokens = [model.tokenize(p) for p in PROMPTS]
+    native = LoRAAdapter(model, users[0].path, "native")
+    for cb in (count, bank.callback):
+        ctx = _ctx(model, cb)
+        ctx.handle.set_adapters([native.handle], [1.0])
+        got = []
+        for on in (True, False, True, False, False):  # the same shape: llama.cpp reuses the graph
+            _fill(ctx, seq_tokens)
+            before = asks[0]
+            ctx.handle.decode(ctx.batch, eval_callback=on)
+            got.append((on, asks[0] - before, _rows(ctx)))
+        if cb is count:
+            n_on = got[0][1]
+            assert n_on > 50 and [n for _, n, _ in got] == [n_on, 0, n_on, 0, 0]
+        for _, _, rows in got[1:]:
+            assert all(np.array_equal(a, b) for a, b in zip(rows, got[0][2]))  # bit for bit
+        ctx.handle.set_adapters([], [])
+        ctx.close()
+    native.close()
+
+
+def test_a_bank_decode_after_one_without_the_callback_is_masked_again(setup):
+    """The bank's decode gives the callback back even when llama.cpp reuses the graph that ran without it."""
+    model, bank, users, tmp = setup
+    slots = [bank.take_slot(u) for u in users]
+    seq_tokens = [model.tokenize(p) for p in PROMPTS]
+    plain = _ctx(model)
+    controls = []
+    for i, u in enumerate(users):
+        pad = _padded(bank, u, slots[i], tmp / f"pad{i}.gguf")
+        plain.handle.set_adapters([pad.handle], [1.0])
+        controls.append(_run_batch(plain, model, seq_tokens)[i])
+        plain.handle.set_adapters([], [])
+        pad.close()
+    controls.append(_run_batch(plain, model, seq_tokens)[3])  # seq 3: no adapter
+    plain.close()
+    ctx = _ctx(model, bank.callback)
+    ctx.handle.set_adapters([bank.adapter.handle], [1.0])
+    entries = [(len(t), [(slots[i], 1.0)] if i < 3 else []) for i, t in enumerate(seq_tokens)]
+    for step in range(3):
+        _fill(ctx, seq_tokens)
+        bank.decode(ctx, entries)
+        assert all(np.array_equal(g, c) for g, c in zip(_rows(ctx), controls)), step
+        # the same batch without the callback: nothing masks the bank, so seq 3 gets every slot's delta
+        _fill(ctx, seq_tokens)
+        ctx.handle.decode(ctx.batch, eval_callback=False)
+        assert not np.array_equal(_rows(ctx)[3], controls[3])
+    assert bank.unplanned == 0
+    ctx.handle.set_adapters([], [])
+    ctx.close()

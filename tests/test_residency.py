@@ -229,3 +229,37 @@ def test_decodes_on_one_adapter_set_run_natively(tiny_model, tmp_path, monkeypat
     assert native["shared"] > 0  # A and B in one decode: through the bank
     assert native["tokens"] == no_bank["tokens"]
     assert native["tokens"][1][0] != native["tokens"][0][:30]  # the adapters make a difference
+
+
+def test_a_request_waits_for_a_slot_at_most_the_stated_number_of_steps(tiny_model, tmp_path):
+    """docs/scaling.md, "Slot waits": a request that waits for bank slots gets them within SLOT_WAIT_STEPS
+    decode steps plus the longest any request holds its slots (from its admission to its end). Two slots,
+    four sequences, five adapters: a stream of requests on the two resident ones keeps both slots held
+    (each may pass a waiting request while it writes no slot), so the others wait, counted in steps."""
+    from loramux.engine.bank import SLOT_WAIT_STEPS
+
+    names = "ABCDE"
+    files = [write_adapter(tmp_path / f"{n}.gguf", "llama", random_factors(rank=2, seed=60 + i, scale=0.3), 2.0)
+             for i, n in enumerate(names)]
+    done_step: dict[int, int] = {}
+    with lm.Engine.load(tiny_model, n_ctx=512, n_parallel=4, n_threads=1, slots=2, slot_rank=2,
+                        loras=[lm.LoraSpec(str(p), 0.0, name=p.stem) for p in files]) as eng:
+        toks = eng.tokenize(PROMPTS[0])
+
+        def submit(name):
+            def on_event(kind, _v, box=[]):  # noqa: B006 - the box holds this request (set below)
+                if kind == "done":
+                    done_step[id(box[0])] = eng.scheduler.stats.decode_steps
+            r = eng.submit(toks, loras={name: 1.0}, max_tokens=10, ignore_eos=True, on_event=on_event)
+            on_event.__defaults__[0].append(r)
+            return r
+        order = ["A", "B", "C"] + ["A", "B"] * 12 + ["D", "E"] + ["A", "B"] * 4
+        reqs = [submit(n) for n in order]
+        for r in reqs:
+            lm.TextStream(r).consume()
+        reported = eng.scheduler.slot_wait_quantiles().max_steps
+    waits = [r.admitted_step - r.blocked_step for r in reqs if r.blocked_step is not None]
+    hold = max(done_step[id(r)] - r.admitted_step for r in reqs)
+    assert max(waits) <= SLOT_WAIT_STEPS + hold, (waits, hold)  # here: 41 ≤ 32 + 10
+    assert len(waits) >= 3 and max(waits) > 0  # C, D and E did wait: the bank was contended
+    assert reported == max(waits)

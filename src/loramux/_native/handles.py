@@ -17,7 +17,7 @@ import numpy as np
 from .. import ggml_types as G
 from ..errors import BackendError
 from .callbacks import MatmulStops, stops_trampoline
-from .lib import C, log, note_first_decode
+from .lib import C, log, note_first_decode, set_sched_eval_callback
 from .tensors import EvalCallback
 
 # --------------------------------------------------------------------------------------------
@@ -237,14 +237,28 @@ class ContextHandle(Handle):
         h = cls(ptr)
         h.model = model
         h._cb = cb  # the C side keeps a raw pointer: keep the Python object alive as long as the context
+        h._cb_on = cb is not None  # what this handle last gave the scheduler (see decode)
         h.n_ctx = int(C.llama_n_ctx(ptr))
         h.n_vocab = model.n_vocab
         h.n_seq_max = n_seq_max
         h._adapters: tuple[tuple[int, float], ...] = ()
         return h
 
-    def decode(self, batch: Batch) -> None:
+    def decode(self, batch: Batch, eval_callback: bool = True) -> None:
+        """Decode the batch. `eval_callback=False`: without the context's eval callback, when it has one.
+
+        ggml asks the callback about every graph node (about 1,450 ctypes calls a decode of Gemma 3
+        270M, ~3 % of it), so a decode that needs no stop (the slot bank's context decoding one adapter
+        set natively, with no KV guard) takes it off its scheduler. llama.cpp puts `cparams.cb_eval`
+        back itself whenever it builds a graph (a new shape, an adapter-set change), so the worst a
+        missed detach costs is the asks; never the other way round: a decode that needs the callback
+        (the default) always has it, given back here before llama_decode if this handle took it away.
+        """
         note_first_decode()
+        if self._cb is not None and (self._cb_on != eval_callback or not eval_callback):
+            # detach on every such decode: a graph build in between may have put it back
+            if set_sched_eval_callback(self.ptr, self._cb if eval_callback else None):
+                self._cb_on = eval_callback
         rc = C.llama_decode(self.ptr, batch.struct)
         if rc != 0:
             detail = {1: "no KV cache slot for the batch (context full)", 2: "aborted",

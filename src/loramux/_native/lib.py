@@ -108,6 +108,31 @@ libggml.ggml_op_name.argtypes = [ctypes.c_int]
 libggml.ggml_op_name.restype = ctypes.c_char_p
 libggml.ggml_tensor_overhead.argtypes = []
 libggml.ggml_tensor_overhead.restype = ctypes.c_size_t
+libggml.ggml_backend_sched_set_eval_callback.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+libggml.ggml_backend_sched_set_eval_callback.restype = None
+
+# `llama_context::get_sched() const`, exported by libllama (a C++ member function: `this` is its one
+# argument). A context's scheduler is where its eval callback lives between decodes: llama.cpp copies
+# `cparams.cb_eval` into it whenever it builds a graph (a reused graph keeps what the scheduler has),
+# and it makes a new scheduler whenever it re-reserves (an adapter-set change). None where the
+# symbol is missing: every decode then keeps the context's callback.
+_GET_SCHED = getattr(getattr(C, "_lib", None), "_ZNK13llama_context9get_schedEv", None)  # the binding's libllama
+if _GET_SCHED is not None:
+    _GET_SCHED.argtypes = [ctypes.c_void_p]
+    _GET_SCHED.restype = ctypes.c_void_p
+
+
+def set_sched_eval_callback(ctx: Any, callback: Any) -> bool:
+    """Give the scheduler of llama_context `ctx` this eval callback (a ctypes callback, or None: no
+    callback, so the graph runs without asking about each node); False where that is not possible."""
+    if _GET_SCHED is None:
+        return False
+    sched = _GET_SCHED(ctx)
+    if not sched:
+        return False
+    ptr = ctypes.cast(callback, ctypes.c_void_p) if callback is not None else None
+    libggml.ggml_backend_sched_set_eval_callback(sched, ptr, None)
+    return True
 
 
 
@@ -168,4 +193,5 @@ FTYPES["F32"] = int(getattr(C, "LLAMA_FTYPE_ALL_F32", 0))
 
 
 __all__ = ["FTYPES", "PINNED_VERSION", "TILED_ENV", "binding_version", "enable_batch_invariant_kernels",
-           "grammar_log", "libggml", "log", "model_quantize", "note_first_decode", "system_info"]
+           "grammar_log", "libggml", "log", "model_quantize", "note_first_decode", "set_sched_eval_callback",
+           "system_info"]

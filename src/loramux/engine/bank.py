@@ -400,7 +400,8 @@ class SlotBank:
     def holds_back(self, head: Sequence[AdapterSet], waited_steps: int, sets: Sequence[AdapterSet]) -> bool:
         """No adapter starves: behind a request (`head`, its phases' sets) that waits for slots, a later one
         (`sets`) may not take an idle slot (it could be the one the head needs); once the head waited
-        SLOT_WAIT_STEPS decode steps, nothing passes it until it is in (running requests free their slots)."""
+        SLOT_WAIT_STEPS decode steps, nothing passes it until it is in (running requests free their slots).
+        So it waits at most SLOT_WAIT_STEPS + the longest any request holds its slots (docs/scaling.md)."""
         if not self._can_ever_take(head):
             return False  # it will be refused or served natively: nobody should wait for it
         if waited_steps >= SLOT_WAIT_STEPS:

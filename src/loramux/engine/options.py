@@ -122,8 +122,8 @@ def bank_size(n_parallel: int, ranks: Iterable[int] = ()) -> tuple[int, int]:
     slots = n_parallel: a free sequence then always finds a free slot for a one-adapter request, so
     such a request never waits for the bank, and each extra slot costs every masked decode (the
     bank's width K·r is paid by every token; see docs/scaling.md for the measurement). One sequence
-    (n_parallel = 1) gets no bank: its decodes never hold two adapter sets, and an idle bank still
-    costs the eval callback's ask for every graph node (about 3 % of a decode). slot_rank = the
+    (n_parallel = 1) gets no bank: its decodes never hold two adapter sets, so a bank would only cost
+    memory (its decodes on one set run natively, without the eval callback). slot_rank = the
     largest rank given, rounded up to a multiple of 8 (16 when no rank is known): a narrower slot
     than the widest adapter would serve that adapter natively, a wider one costs every masked decode.
     """

@@ -68,6 +68,7 @@ class Request:
     first_token_at: float | None = None
     cached: int = 0  # prompt tokens taken from a slot's KV cache instead of decoded (usage's cached_tokens)
     blocked_step: int | None = None  # decode step at which it first waited for bank slots
+    admitted_step: int | None = None  # decode step at which it took its sequence (and its bank slots)
     blocked_at: float | None = None
     scoring: Scoring | None = None  # logprobs wanted (prompt and/or generated tokens; see scoring.py)
 

@@ -66,6 +66,7 @@ class Scheduler:
         self.group_steps = 0
         self.applied_cvec: Any = None
         self._slot_waits: deque[float] = deque(maxlen=SLOT_WAITS_KEPT)
+        self._slot_wait_steps: deque[int] = deque(maxlen=SLOT_WAITS_KEPT)  # the same waits in decode steps
         self.stats = Counters()  # engine thread only; readers get `stats.frozen()` (stats.py)
 
     # -- bookkeeping --------------------------------------------------------------------------
@@ -91,7 +92,10 @@ class Scheduler:
             raise self.guard.refusal(sets)
         self.waiting.append(req)
         if self.bank is not None and len(self.waiting) > self.slots.count(None):
-            self._prefetch(req)  # it will wait: make its adapters warm meanwhile (off this thread)
+            # it will wait: make its adapters warm meanwhile (off this thread). Not for one admitted at
+            # once: its admission (this loop, next step) would prepare them here before the worker is done,
+            # so both would (measured: slower at 256 adapters over 8 slots, BENCHMARKS.md)
+            self._prefetch(req)
 
     def _prefetch(self, req: Request) -> None:
         assert self.bank is not None
@@ -176,8 +180,8 @@ class Scheduler:
             if masked:
                 assert self.bank is not None
                 self.bank.decode(self.ctx, entries)  # plans the per-token masks, decodes, checks them
-            else:
-                self.ctx.handle.decode(self.ctx.batch)
+            else:  # one adapter set, natively: no stop needed unless the KV guard checks writes
+                self.ctx.handle.decode(self.ctx.batch, eval_callback=guard is not None)
         finally:
             if guard is not None:
                 guard.disarm()  # raises BackendError when a KV write could not be checked
@@ -228,8 +232,11 @@ class Scheduler:
                 blocked.append(r)  # its adapters wait for bank slots; later requests may still go
                 skipped.append(r)
                 continue
+            r.admitted_step = self.stats.decode_steps
             if r.slots:
                 self._slot_waits.append(time.monotonic() - r.blocked_at if r.blocked_at is not None else 0.0)
+                self._slot_wait_steps.append(self.stats.decode_steps - r.blocked_step if r.blocked_step is not None
+                                             else 0)
             free = [i for i, s in enumerate(self.slots) if s is None and i not in self.quarantined]
             seq, keep = max(((i, self._reusable(i, r)) for i in free), key=lambda x: x[1])
             shared = self._share(r, seq)
@@ -275,7 +282,7 @@ class Scheduler:
         if not waits:
             return SlotWaits()
         return SlotWaits(p50_s=waits[len(waits) // 2], p99_s=waits[min(len(waits) - 1, int(0.99 * len(waits)))],
-                         max_s=waits[-1])
+                         max_s=waits[-1], max_steps=max(self._slot_wait_steps, default=0))
 
     def _shareable(self, r: Request) -> Request | None:
         """The running sibling whose prompt KV `r` can share (unified KV, same prompt and adapters), or None."""

@@ -55,6 +55,7 @@ class SlotWaits:
     p50_s: float = 0.0
     p99_s: float = 0.0
     max_s: float = 0.0
+    max_steps: int = 0  # most decode steps one of them waited (bounded: docs/scaling.md, "Slot waits")
 
 
 def _no_counts() -> Mapping[str, int]:

@@ -93,6 +93,8 @@ class _LiveCollector:
              e.slot_waits.p50_s),
             ("loramux_slot_wait_p99_seconds", "99th percentile wait of recent banked requests for bank slots "
              "(bounded: see docs/scaling.md).", e.slot_waits.p99_s),
+            ("loramux_slot_wait_max_steps", "Most decode steps one of the recent banked requests waited for bank "
+             "slots (bounded: see docs/scaling.md).", e.slot_waits.max_steps),
         ):
             yield GaugeMetricFamily(name, doc, value=value)
         info = GaugeMetricFamily("vllm:lora_requests_info", "Adapter state; value: time of this update.",
@@ -121,6 +123,8 @@ def _counters(s: ServerSnapshot) -> Iterator[Metric]:
         ("loramux_adapter_switches", "Changes of the adapter set applied to the serving context.",
          c.adapter_switches),
         ("loramux_decode_steps", "Decode calls of the serving context.", c.decode_steps),
+        ("loramux_bank_decodes", "Decodes through the slot bank's per-token masks (the others ran one adapter "
+         "set natively).", c.bank_decodes),
         ("loramux_adapter_evictions", "Adapters evicted by the LRU (--max-loaded).", s.evictions),
         ("loramux_kv_guarded_decodes", "Decodes run with the KV guard (they held a risky adapter set; "
          "see docs/server.md, 'Numeric safety').", s.engine.kv_guarded_decodes),
