@@ -1,7 +1,7 @@
 """Fair shares of the engine for a request of several sequences (`n`, `best_of`, several prompts, fan-out).
 
 The server submits each sequence of one HTTP request as an engine request carrying the same `party`.
-Two bounds keep such a request from taking every other request's turn:
+Three bounds keep such a request from taking every other request's turn:
 
 - **slots**: one party holds at most `request_slots` sequence slots at once (by default all but one of
   `n_parallel`), so a request arriving while an `n` = 16 request runs finds a slot free at once instead
@@ -11,10 +11,11 @@ Two bounds keep such a request from taking every other request's turn:
   decodes them all together;
 - **turns**: while a sequence of another party runs, a party of several sequences takes part in one decode
   step of every `request_step_every` (default 2); the steps between serve the others alone, so a neighbour's
-  step is its own size every other step instead of carrying one more sequence each time. A step it would
-  leave empty (nobody else is in it) it takes anyway: the shares never idle the engine.
+  step is its own size every other step instead of carrying one more sequence each time. The steps between
+  go to requests of one sequence; a step they are not in (two requests of several sequences side by side,
+  nobody else) every party takes: the shares never idle the engine.
 
-Neither changes what a sequence computes (its own tokens, sampler and seed), only when; in deterministic
+None of them changes what a sequence computes (its own tokens, sampler and seed), only when; in deterministic
 mode the tokens are then identical, elsewhere as identical as any change of batch composition leaves them.
 """
 
