@@ -14,6 +14,7 @@ included: rate limits belong in front of the server.)
     python benchmarks/attacks.py --only nested10,scoring --repeats 9
     python benchmarks/attacks.py --against ../old-checkout    # this tree and another, attack by attack
     python benchmarks/attacks.py --only fanout --variant "all4=--request-slots 4 --request-step-seqs 4"
+    python benchmarks/attacks.py --only control,tools --model FUNCTIONGEMMA.gguf --variant "fg=--tool-format function_gemma"
 
 `--variant LABEL=OPTIONS` serves this tree once more with those `loramux serve` options (repeatable): the
 settings compared in the same run, in turn. Every measurement records the 1-minute load average, and the
@@ -57,6 +58,12 @@ def _colliding(n: int) -> dict[str, Any]:
     return {"type": "object", "properties": props, "required": list(props)}
 
 
+def _tool(k: int) -> dict[str, Any]:
+    props = {f"field_{k}_{i}": {"type": "string", "enum": [f"v{j}" for j in range(6)]} for i in range(4)}
+    return {"type": "function", "function": {"name": f"book_{k}", "description": f"Booking form {k}.", "parameters": {
+        "type": "object", "properties": props, "required": list(props)}}}
+
+
 def attacks() -> dict[str, tuple[str, dict[str, Any]]]:
     """name -> (path, body) of each proof of concept (the findings of the grammar and scoring review)."""
     chat = "/v1/chat/completions"
@@ -80,6 +87,11 @@ def attacks() -> dict[str, tuple[str, dict[str, Any]]]:
                                         "echo": True, "logprobs": 20, "prompt_logprobs": 20}),
         "fanout": ("/v1/completions", {"prompt": "Tell me a story.", "max_tokens": 64, "n": 16,
                                        "ignore_eos": True}),
+        # a forced call against a tool schema: the template's format (generic JSON on Gemma 3), or under
+        # `--tool-format function_gemma` (a --variant, with a FunctionGemma --model: the format's grammar
+        # names its <escape> token, which other Gemma 3 vocabularies lack, so they get a 400) its own grammar
+        "tools": (chat, {"messages": [{"role": "user", "content": "Book it."}], "max_tokens": 64,
+                         "tools": [_tool(k) for k in range(3)], "tool_choice": "required"}),
     }
 
 

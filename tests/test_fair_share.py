@@ -1,7 +1,7 @@
 """A request of several sequences takes a fair share of the engine (engine/fairness.py): beside an `n` = 16
 request a neighbour is admitted at once and finishes within its own number of decode steps, one request
 never runs more than `request_slots` sequences nor puts more than `request_step_seqs` of them into a step
-while another request runs, prompt scoring keeps to `score_rows_shared` rows a step beside a neighbour,
+while another request runs, and takes part in only one step of every `request_step_every` then, prompt scoring keeps to `score_rows_shared` rows a step beside a neighbour,
 and every sequence's tokens are those it gets without the neighbour. On real llama.cpp and the tiny model;
 steps are counted with the scheduler's decode-step counter (no timings)."""
 
@@ -19,7 +19,7 @@ from test_server import serving
 
 import loramux as lm
 from loramux.cli.serve import add_parsers, settings_from_args
-from loramux.engine.fairness import slot_limit
+from loramux.engine.fairness import slot_limit, step_share
 from loramux.engine.request import Request
 from loramux.errors import ParameterError
 
@@ -127,6 +127,49 @@ def test_beside_a_neighbour_one_sequence_a_step_in_turn(beside):
     assert sum(big.values()) == SEQS * TOKENS  # every sequence finished its tokens
 
 
+def test_beside_a_neighbour_the_request_takes_every_other_step(beside):
+    """`request_step_every` = 2 (the default): of the K steps the neighbour decodes in, the big request takes
+    part in at most ⌈K/2⌉, so every other step of the neighbour's is its own size, as alone."""
+    trace, _, _ = beside
+    big, near = trace.steps["big"], trace.steps["neighbour"]
+    k = len(near)
+    took = [s for s in near if big.get(s, 0)]
+    assert k >= NEIGHBOUR and len(took) <= -(-k // 2), (sorted(near), took)
+    assert took, "it still advances beside the neighbour"
+
+
+def test_with_every_step_the_request_takes_each_of_the_neighbours_steps(tiny_model):
+    """`request_step_every` = 1 is the share without turns: one sequence of the big request in every step."""
+    trace, _, _ = _run(tiny_model, neighbour=True, request_step_every=1)
+    big, near = trace.steps["big"], trace.steps["neighbour"]
+    took = [s for s in near if big.get(s, 0)]
+    assert len(took) > -(-len(near) // 2), (sorted(near), took)
+
+
+@dataclasses.dataclass
+class _Seq:
+    party: object | None
+    arrived: float = 0.0
+    generated: list[int] = dataclasses.field(default_factory=list)
+    n_past: int = 0
+
+
+def test_the_turns_never_leave_a_step_empty():
+    """Two requests of several sequences beside each other and nobody else: no step sits out (the engine
+    would otherwise spin on an empty step), and the turns rotate through each request's sequences."""
+    a, b = object(), object()
+    seqs = [_Seq(a), _Seq(a), _Seq(b), _Seq(b)]
+    for step in range(8):
+        got = step_share(seqs, seqs, 1, step, 2)
+        assert {id(r.party) for r in got} == {id(a), id(b)}, step
+    single = _Seq(None)
+    mixed = [*seqs[:2], single]
+    served = [step_share(mixed, mixed, 1, step, 2) for step in range(8)]
+    assert all(single in got for got in served)
+    assert [sum(r.party is a for r in got) for got in served] == [1, 0] * 4
+    assert {id(got[0]) for got in served[::2]} == {id(seqs[0]), id(seqs[1])}  # in turn, both of a's
+
+
 def test_every_sequence_gets_the_tokens_it_gets_without_the_neighbour(alone, beside, tiny_model):
     """The shares only change when a sequence decodes, not what: same seeds, same tokens, sequence by
     sequence; the neighbour's tokens are those it gets alone."""
@@ -165,15 +208,19 @@ def test_the_shares_are_serve_options_and_are_checked():
     ap = argparse.ArgumentParser()
     add_parsers(ap.add_subparsers())
     args = ap.parse_args(["serve", "--request-slots", "2", "--request-step-seqs", "3", "--score-rows", "8",
-                          "--score-rows-shared", "1"])
+                          "--score-rows-shared", "1", "--request-step-every", "3"])
     opts = settings_from_args(args).engine_options()
-    assert (opts.request_slots, opts.request_step_seqs, opts.score_rows, opts.score_rows_shared) == (2, 3, 8, 1)
+    assert (opts.request_slots, opts.request_step_seqs, opts.score_rows, opts.score_rows_shared,
+            opts.request_step_every) == (2, 3, 8, 1, 3)
+    assert settings_from_args(ap.parse_args(["serve"])).engine_options().request_step_every == 2
     assert slot_limit(0, 1) == 1 and slot_limit(0, 4) == 3 and slot_limit(2, 4) == 2
-    for bad in (["--request-slots", "-1"], ["--request-step-seqs", "0"], ["--score-rows-shared", "0"]):
+    for bad in (["--request-slots", "-1"], ["--request-step-seqs", "0"], ["--score-rows-shared", "0"],
+                ["--request-step-every", "0"]):
         with pytest.raises(ParameterError, match=bad[0][2:].replace("-", "_")):
             settings_from_args(ap.parse_args(["serve", *bad]))
-    with pytest.raises(ParameterError, match="request_step_seqs"):
-        lm.EngineOptions(request_step_seqs=0)
+    for name in ("request_step_seqs", "request_step_every"):
+        with pytest.raises(ParameterError, match=name):
+            lm.EngineOptions(**{name: 0})
 
 
 def test_an_n16_request_through_the_server_leaves_a_slot_and_a_turn(tiny_model):

@@ -148,6 +148,9 @@ def _share_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--request-step-seqs", type=int, default=None, metavar="K",
                    help="the most sequences of one request a decode step serves while another request runs; "
                         "they take turns (default 1)")
+    g.add_argument("--request-step-every", type=int, default=None, metavar="N",
+                   help="while another request runs, a request of several sequences takes part in one decode "
+                        "step of every N; the others serve the rest alone (default 2; 1: every step)")
     g.add_argument("--score-rows", type=int, default=None, metavar="N",
                    help="prompt-scoring logit rows per decode while nothing else runs (default 16)")
     g.add_argument("--score-rows-shared", type=int, default=None, metavar="N",
@@ -217,7 +220,8 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         loras=tuple(base.loras) + tuple(loras) if loras else None,
         control_vectors=tuple(base.control_vectors) + tuple(cvs) if cvs else None,
         control_vector_layers=args.control_vector_layers, tool_format=args.tool_format,
-        request_slots=args.request_slots, request_step_seqs=args.request_step_seqs, score_rows=args.score_rows,
+        request_slots=args.request_slots, request_step_seqs=args.request_step_seqs,
+        request_step_every=args.request_step_every, score_rows=args.score_rows,
         score_rows_shared=args.score_rows_shared)
 
 

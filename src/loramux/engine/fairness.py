@@ -1,16 +1,21 @@
 """Fair shares of the engine for a request of several sequences (`n`, `best_of`, several prompts, fan-out).
 
 The server submits each sequence of one HTTP request as an engine request carrying the same `party`.
-Two bounds keep such a request from taking every other request's turn:
+Three bounds keep such a request from taking every other request's turn:
 
 - **slots**: one party holds at most `request_slots` sequence slots at once (by default all but one of
   `n_parallel`), so a request arriving while an `n` = 16 request runs finds a slot free at once instead
   of waiting for a whole wave of its sequences;
 - **steps**: while a sequence of another party runs, one party puts at most `request_step_seqs` of its
   sequences into a decode step (default 1), taking turns (round-robin over them in slot order). Alone it
-  decodes them all together.
+  decodes them all together;
+- **turns**: while a sequence of another party runs, a party of several sequences takes part in one decode
+  step of every `request_step_every` (default 2); the steps between serve the others alone, so a neighbour's
+  step is its own size every other step instead of carrying one more sequence each time. The steps between
+  go to requests of one sequence; a step they are not in (two requests of several sequences side by side,
+  nobody else) every party takes: the shares never idle the engine.
 
-Neither changes what a sequence computes (its own tokens, sampler and seed), only when; in deterministic
+None of them changes what a sequence computes (its own tokens, sampler and seed), only when; in deterministic
 mode the tokens are then identical, elsewhere as identical as any change of batch composition leaves them.
 """
 
@@ -55,12 +60,20 @@ def over_slots(r: Member, running: Sequence[Member], limit: int) -> bool:
     return sum(1 for q in running if party_of(q) is p) >= limit
 
 
-def step_share(members: list[M], running: Sequence[Member], per_step: int, step: int) -> list[M]:
+def step_share(members: list[M], running: Sequence[Member], per_step: int, step: int,
+               every: int = 1) -> list[M]:
     """The members decode step `step` serves: all of them when one party runs alone, else at most
-    `per_step` of each party's, in turn (the window moves on by `per_step` each step)."""
+    `per_step` of each party's, in turn (the window moves on by `per_step` each step the party takes), and
+    the sequences of a party of several sequences only in one step of every `every`."""
     parties = {id(party_of(q)) for q in running}
     if len(parties) < 2:
         return members
+    turn = step
+    if every > 1:
+        turn = step // every
+        others = [r for r in members if r.party is None]  # single-sequence requests: never held back
+        if step % every and others:
+            members = others
     by_party: dict[int, list[M]] = {}
     for r in members:
         by_party.setdefault(id(party_of(r)), []).append(r)
@@ -69,7 +82,7 @@ def step_share(members: list[M], running: Sequence[Member], per_step: int, step:
         if len(group) <= per_step:
             chosen.update(id(r) for r in group)
             continue
-        start = step * per_step % len(group)
+        start = turn * per_step % len(group)
         chosen.update(id(r) for r in (group[start:] + group[:start])[:per_step])
     return [r for r in members if id(r) in chosen]
 

@@ -40,7 +40,9 @@ class EngineOptions:
     runs (a request that arrives meanwhile waits for that decode; see engine/scoring.py); score_rows_shared:
     the same while another request runs. request_slots: the most sequence slots one request of several
     sequences (the same `party`) holds at once (0: all but one of n_parallel); request_step_seqs: the most
-    of its sequences one decode step serves while another request runs (see engine/fairness.py).
+    of its sequences one decode step serves while another request runs; request_step_every: such a request
+    takes part in one decode step of every request_step_every while another request runs (see
+    engine/fairness.py).
     max_loaded: adapters llama.cpp holds at once (None: no bound); past it the least recently used one
     that no request uses is evicted and loaded again when a request names it (engine/residency.py).
     """
@@ -65,6 +67,7 @@ class EngineOptions:
     score_rows_shared: int = SCORE_ROWS_SHARED
     request_slots: int = 0
     request_step_seqs: int = 1
+    request_step_every: int = 2
     max_loaded: int | None = None
 
     def __post_init__(self) -> None:
@@ -74,7 +77,7 @@ class EngineOptions:
         except ParameterError as e:
             problems.append(("rpc", e.message.split(": ", 1)[-1]))
         for name in ("n_ctx", "n_parallel", "n_batch", "slot_rank", "score_rows", "score_rows_shared",
-                     "request_step_seqs"):
+                     "request_step_seqs", "request_step_every"):
             if getattr(self, name) < 1:
                 problems.append((name, f"must be ≥ 1 (got {getattr(self, name)})"))
         if self.request_slots < 0:

@@ -86,7 +86,8 @@ class Engine:
         guard = KvGuard(model, self.bank.callback if self.bank else None, opts.kv_type)
         self.scheduler = Scheduler(model, self.ctx, n_parallel, self.bank, opts.deterministic, guard,
                                    score_rows=opts.score_rows, score_rows_shared=opts.score_rows_shared,
-                                   request_slots=opts.request_slots, request_step_seqs=opts.request_step_seqs)
+                                   request_slots=opts.request_slots, request_step_seqs=opts.request_step_seqs,
+                                   request_step_every=opts.request_step_every)
         # the loaded tier: which adapters llama.cpp holds, at most max_loaded (residency.py)
         self.loaded = LoadedTier(model, self.registry, opts.max_loaded, users=self.scheduler.users,
                                  load=lambda checked, cold: self._register(checked, cold.name, cold.source),

@@ -39,14 +39,15 @@ class Scheduler:
 
     def __init__(self, model: Model, ctx: Context, n_parallel: int, bank: SlotBank | None = None,
                  deterministic: bool = False, guard: KvGuard | None = None, score_rows: int = SCORE_ROWS,
-                 score_rows_shared: int = SCORE_ROWS_SHARED, request_slots: int = 0, request_step_seqs: int = 1
-                 ) -> None:
+                 score_rows_shared: int = SCORE_ROWS_SHARED, request_slots: int = 0, request_step_seqs: int = 1,
+                 request_step_every: int = 2) -> None:
         self.model = model
         self.score_rows = score_rows  # prompt-scoring rows per decode while nothing else runs (scoring.py)
         self.score_rows_shared = score_rows_shared  # ... and while another request runs
         # one request of several sequences: slots it holds at once, sequences per step beside others
         self.request_slots = slot_limit(request_slots, n_parallel)
         self.request_step_seqs = request_step_seqs
+        self.request_step_every = request_step_every  # ... and it takes one step in this many beside others
         self.ctx = ctx
         self.bank = bank
         # The guard checks KV writes through the bank's eval callback, one ubatch per decode on a unified
@@ -127,7 +128,7 @@ class Scheduler:
             return
         group = self._pick_group(runnable)
         turn = step_share([r for r in runnable if r.phase_at(r.n_past).group_key == group], runnable,
-                          self.request_step_seqs, self.stats.decode_steps)
+                          self.request_step_seqs, self.stats.decode_steps, self.request_step_every)
         members, guarded = self._guard_plan(turn)
         if not members:
             return

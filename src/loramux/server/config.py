@@ -145,9 +145,11 @@ class ServerSettings:
     score_rows_shared: int = SCORE_ROWS_SHARED
     # A request of several sequences (n, best_of, prompts, fan-out; engine/fairness.py): the most slots it
     # holds at once (0: all but one of --parallel, so a request arriving finds one free), and the most of
-    # its sequences one decode step serves while another request runs (they take turns).
+    # its sequences one decode step serves while another request runs (they take turns), and it takes part
+    # in one decode step of every `request_step_every` while another request runs.
     request_slots: int = 0
     request_step_seqs: int = 1
+    request_step_every: int = 2
 
     # ------------------------------------------------------------------ building
     @classmethod
@@ -259,7 +261,7 @@ class ServerSettings:
     def _budget_problems(self) -> list[str]:
         problems = []
         for name in ("grammar_max_alternatives", "grammar_max_elements", "max_scored_tokens", "score_rows",
-                     "score_rows_shared", "request_step_seqs"):
+                     "score_rows_shared", "request_step_seqs", "request_step_every"):
             v = getattr(self, name)
             if type(v) is not int or v < 1:
                 problems.append(f"{name}: must be a positive integer, got {v!r}")
@@ -299,7 +301,7 @@ class ServerSettings:
                              adapter_cache_bytes=self.adapter_cache_bytes, deterministic=self.deterministic,
                              rpc=self.rpc, score_rows=self.score_rows, score_rows_shared=self.score_rows_shared,
                              request_slots=self.request_slots, request_step_seqs=self.request_step_seqs,
-                             max_loaded=self.max_loaded)
+                             request_step_every=self.request_step_every, max_loaded=self.max_loaded)
 
     def start_ranks(self) -> list[int]:
         """Largest rank of each start adapter that is a readable local file (its header only)."""
