@@ -10,8 +10,10 @@ An adapter a request names lives in one of these tiers (fastest first):
   is a plain copy into the bank's host memory, no parsing, no reading back, no checks;
 - **loaded**: registered with the engine (llama.cpp holds its tensors), in `LoadedTier`, bounded by
   `EngineOptions.max_loaded` (the server's `--max-loaded`). Making it warm reads its live factors back;
-- **cold**: evicted from the loaded tier; `LoadedTier` keeps its file and loads it again, on the engine
-  thread in the same step that queues the request naming it (so it is loaded *and in use* at once).
+- **cold**: evicted from the loaded tier, or registered without ever being loaded (`register_cold`: the
+  server's `--lora-dir`); `LoadedTier` keeps its file and loads it, on the engine thread in the same step
+  that queues the request naming it (so it is loaded *and in use* at once). A cold adapter costs its
+  `ColdAdapter` record alone: nothing else in any tier grows with the number of cold adapters.
 
 Every tier evicts with `LruPolicy` (least recently used first, among what the tier says may go). The
 warm tier is bounded by bytes (`adapter_cache_bytes`, default `DEFAULT_CACHE_BYTES`); an entry is keyed
@@ -35,7 +37,7 @@ from typing import Generic, TypeVar
 
 import numpy as np
 
-from ..errors import AdapterCapacityError, ParameterError
+from ..errors import AdapterCapacityError, AdapterError, ParameterError
 from .adapters import CheckedAdapter, LoRAAdapter
 from .model import Model
 from .options import DEFAULT_ADAPTER_CACHE_BYTES
@@ -260,9 +262,9 @@ class Prefetcher:
         thread.join(timeout)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ColdAdapter:
-    """An adapter the loaded tier evicted: what loading it again takes."""
+    """An adapter the loaded tier evicted, or registered cold: what loading it (again) takes."""
 
     name: str
     path: Path  # the local file it was loaded from (a download: its cached copy)
@@ -324,13 +326,32 @@ class LoadedTier:
         return 0 if a is None else self._users(a)
 
     def prepare(self, names: Iterable[str]) -> dict[str, CheckedAdapter]:
-        """Parse and check the files of the evicted adapters among `names`, here (not on the engine thread)."""
+        """Parse and check the files of the evicted adapters among `names`, here (not on the engine thread).
+        A file that cannot be used raises its AdapterError, naming the adapter (`name`): this request fails,
+        the adapter stays cold (its file is read again by the next request naming it)."""
         out: dict[str, CheckedAdapter] = {}
-        for n in dict.fromkeys(names):
-            cold = self.cold.get(n)
-            if cold is not None and n not in self._prepared:
-                out[n] = CheckedAdapter(self.model, cold.path)
+        try:
+            for n in dict.fromkeys(names):
+                cold = self.cold.get(n)
+                if cold is not None and n not in self._prepared:
+                    out[n] = _parse(self.model, cold)
+        except BaseException:
+            for c in out.values():
+                c.close()
+            raise
         return out
+
+    def register_cold(self, adapters: Iterable[ColdAdapter]) -> int:
+        """Know adapters without loading them (engine thread): each is loaded by the first request naming it,
+        like an evicted one. Names loaded or known already are refused (ParameterError), none registered then.
+        Returns how many are cold now."""
+        new = list(adapters)
+        clash = sorted({a.name for a in new if a.name in self.registry.adapters or a.name in self.cold})
+        if clash or len({a.name for a in new}) != len(new):
+            raise ParameterError("adapters", f"names known already or given twice: {', '.join(clash) or '(repeated)'}")
+        for a in new:
+            self.cold[a.name] = a
+        return len(self.cold)
 
     # -- the engine thread -------------------------------------------------------------------------
     def enter(self, names: list[str], prepared: Mapping[str, CheckedAdapter], build: Callable[[], T],
@@ -482,7 +503,7 @@ class LoadedTier:
         checked = self._prepared.pop(name, None)
         if checked is None:  # evicted after its submit looked: parse it here, rarely
             self.stats["parsed_on_engine_thread"] += 1
-            checked = CheckedAdapter(self.model, cold.path)
+            checked = _parse(self.model, cold)
         try:
             self._load(checked, cold)
         finally:
@@ -503,6 +524,15 @@ class LoadedTier:
         c = self._prepared.pop(name, None)
         if c is not None:
             c.close()
+
+
+def _parse(model: Model, cold: ColdAdapter) -> CheckedAdapter:
+    """A cold adapter's file, parsed and checked; its AdapterError names the adapter."""
+    try:
+        return CheckedAdapter(model, cold.path)
+    except AdapterError as e:
+        e.name = cold.name
+        raise
 
 
 __all__ = ["DEFAULT_CACHE_BYTES", "PREFETCH_QUEUE_MAX", "ColdAdapter", "LoadedTier", "LruPolicy", "Prefetcher", "SlotBlocks",
