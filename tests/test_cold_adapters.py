@@ -5,6 +5,7 @@ steps; a bad file fails its request alone; start-time problems are one typed err
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import threading
@@ -21,6 +22,7 @@ from tinymodel import write_tiny_lora
 import loramux as lm
 import loramux.engine.residency as residency
 from loramux import _native as N
+from loramux.engine.adapters import LoRAAdapter
 from loramux.errors import AdapterDirError, ParameterError
 from loramux.gguf_io import write_adapter
 from loramux.server import ServerSettings, create_app, serve_in_thread
@@ -123,13 +125,13 @@ def test_a_cold_load_does_not_stop_other_sequences_decoding(tiny_model, cold_dir
         asker.start()
         assert entered.wait(60)
         steps = eng.stats().decode_steps
-        _until(lambda: eng.stats().decode_steps >= steps + 20 or not runner.is_alive())
+        _until(lambda: eng.stats().decode_steps >= steps + 20 or not runner.is_alive(), timeout=20, must=False)
         during = eng.stats().decode_steps - steps
-        assert not cold and "c2" not in eng.adapters
+        held = not cold and "c2" not in eng.adapters
         gate.set()
         asker.join(120)
         runner.join(120)
-        assert during >= 20, f"only {during} decode steps while the cold file was parsed"
+        assert held and during >= 20, f"only {during} decode steps while the cold file was parsed"
         assert cold[0].status_code == 200 and long[0].status_code == 200
         assert len(long[0].json()["choices"][0]["token_ids"]) == 200
 
@@ -154,10 +156,12 @@ def test_a_thousand_registered_keep_loaded_and_rss_bounded(tiny_model, tmp_path)
                 marks.append(_rss())
         assert peak <= 4 and eng.loaded.stats["peak"] <= 4 and eng.loaded.stats["reloads"] == 3 * k
         assert len(eng.loaded.lru.order()) <= 4 and len(eng.loaded.cold) + len(eng.adapters) == 1000
-        first, second = marks[1] - marks[0], marks[2] - marks[1]
-        # what K cold loads after the first K added, against a margin from this run: the first K's growth
-        # (the allocator settling) plus 1 MiB of page granularity; a leak of an adapter a request adds more
-        assert second <= max(first, 0) + (1 << 20), f"RSS after {k}, {2 * k}, {3 * k} requests: {marks}"
+        live = [o for o in gc.get_objects() if isinstance(o, LoRAAdapter)]
+        assert len(live) <= 4, f"{len(live)} adapters held after {3 * k} cold loads"
+        # RSS over the last K cold loads, against a margin from this run's own file: a quarter of what
+        # keeping each adapter's file bytes would add, plus 1 MiB of allocator and page granularity
+        margin = (1 << 20) + k * one.stat().st_size // 4
+        assert marks[2] - marks[1] <= margin, f"RSS after {k}, {2 * k}, {3 * k} requests: {marks}, margin {margin}"
         text = httpx.get(srv.url + "/metrics").text
         labels = {ln.split('adapter="')[1].split('"')[0] for ln in text.splitlines()
                   if ln.startswith("loramux_adapter_requests_total{")}
@@ -222,16 +226,16 @@ def test_the_server_refuses_loads_past_max_adapters(tiny_model, cold_dir):
         assert r.status_code == 400 and r.json()["error"]["code"] == "too_many_adapters"
 
 
-def _until(cond, timeout: float = 60.0) -> None:  # noqa: ANN001
+def _until(cond, timeout: float = 60.0, must: bool = True) -> None:  # noqa: ANN001
     deadline = time.monotonic() + timeout
     while not cond():
-        assert time.monotonic() < deadline, "timed out"
+        if time.monotonic() > deadline:
+            assert not must, "timed out"
+            return
         time.sleep(0.005)
 
 
 def _rss() -> int:
-    import gc
-
     gc.collect()
     if not sys.platform.startswith("linux"):
         pytest.skip("reads RSS from /proc")
