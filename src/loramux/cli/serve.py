@@ -32,6 +32,7 @@ read:    GET /v1/models, /lora-adapters, /health, /metrics
 """
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+WELCOME_ADAPTERS = 10  # adapter names the start banner lists (a --lora-dir may register 100,000)
 
 
 def add_parsers(sub: Any) -> None:
@@ -278,7 +279,9 @@ def welcome(settings: Any, base: str, adapters: list[str]) -> str:
     model = adapters[0] if adapters else base
     auth = ' -H "Authorization: Bearer $LORAMUX_API_KEY"' if settings.api_key else ""
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32})
-    models = ", ".join([f"{base} (base)", *adapters])
+    shown = adapters[:WELCOME_ADAPTERS] + ([f"… {len(adapters) - WELCOME_ADAPTERS} more (GET /v1/models)"]
+                                           if len(adapters) > WELCOME_ADAPTERS else [])
+    models = ", ".join([f"{base} (base)", *shown])
     admin = ("on (admin key set)" if settings.admin_api_key else
              "off: load/unload need --admin-api-key")
     return "\n".join([
