@@ -89,6 +89,47 @@ def bench(label: str, argv: list[str], n_adapters: int, args: argparse.Namespace
     return out
 
 
+def profile_load(model: Path, path: str, threads: int, repeats: int) -> list[list[str]]:
+    """In one process: where a cold load's time goes, per part (median ms of `repeats`): the parse and checks
+    (off the engine thread), llama.cpp's adapter load, the discovery decode (both on the engine thread, as
+    `LoRAAdapter` does them), and the free at eviction; against one decode step of 8 sequences."""
+    from loramux import _native as N
+    from loramux.engine.adapters import CheckedAdapter, LoRAAdapter
+    from loramux.engine.runtime import Engine
+    from loramux.engine.streams import TextStream
+
+    parts: dict[str, list[float]] = {k: [] for k in ("parse", "llama.cpp load", "discovery", "free")}
+    with Engine.load(model, n_ctx=256, n_parallel=8, n_threads=threads) as eng:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            checked = CheckedAdapter(eng.model, path)
+            t1 = time.perf_counter()
+            handle = N.AdapterHandle.load(eng.model.handle, checked.pin.native_path)
+            t2 = time.perf_counter()
+            handle.close()
+            checked.close()
+            a = LoRAAdapter(eng.model, CheckedAdapter(eng.model, path), "p")  # parse + load + discovery
+            t3 = time.perf_counter()
+            a.close()
+            t4 = time.perf_counter()
+            parts["parse"].append(t1 - t0)
+            parts["llama.cpp load"].append(t2 - t1)
+            parts["discovery"].append(max(0.0, (t3 - t2) - (t2 - t0)))
+            parts["free"].append(t4 - t3)
+        eng.load_lora(path, "d")
+        steps = []
+        for _ in range(3):
+            futs = [eng.submit_async("The quick brown fox", loras={"d": 1.0}, max_tokens=16, ignore_eos=True)
+                    for _ in range(8)]
+            t0, n0 = time.perf_counter(), eng.stats().decode_steps
+            for f in futs:
+                TextStream(f.result()).consume()
+            steps.append((time.perf_counter() - t0) / max(1, eng.stats().decode_steps - n0))
+    rows = [[k, f"{statistics.median(v) * 1000:.2f}"] for k, v in parts.items()]
+    rows.append(["one decode step, 8 sequences (for scale)", f"{statistics.median(steps) * 1000:.2f}"])
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     common_args(ap, repeats=3)
@@ -97,12 +138,19 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=32, help="requests per run (default 32)")
     ap.add_argument("--tokens", type=int, default=16, help="generated tokens per request (default 16)")
     ap.add_argument("--rank", type=int, default=8, help="adapter rank (default 8)")
+    ap.add_argument("--profile-load", action="store_true",
+                    help="only time the parts of one cold load in process (parse, llama.cpp load, discovery, free)")
     args = ap.parse_args()
     counts = [int(c) for c in args.registered.split(",") if c]
     model = model_path(args.model)
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="loramux-cold-"))
     work.mkdir(parents=True, exist_ok=True)
     one = write_adapters(work, model, 1, args.rank)[0]
+    if args.profile_load:
+        print_machine(machine_info(args.threads))
+        print_table(f"one cold load of a rank-{args.rank} F16 adapter, in process (median ms of {max(5, args.repeats)})",
+                    ["part", "ms"], profile_load(model, one, args.threads, max(5, args.repeats)))
+        return
     dirs = {n: link_dir(work, one, n) for n in counts}
     info = machine_info(args.threads)
     print_machine(info)
