@@ -297,20 +297,26 @@ class LoadedTier:
 
     def __init__(self, model: Model, registry: Registry, max_loaded: int | None, *,
                  users: Callable[[LoRAAdapter], int], load: Callable[[CheckedAdapter, ColdAdapter], LoRAAdapter],
-                 unload: Callable[[str], None]) -> None:
+                 unload: Callable[[str], None], decoding: Callable[[], bool] = lambda: False) -> None:
         """`load(checked, cold)` registers a parsed file again (engine thread); `unload(name)` takes an
-        adapter out of the registry (it is freed once nothing uses it)."""
+        adapter out of the registry (it is freed once nothing uses it); `decoding()`: do sequences run now?
+        While they do, at most one submit that needs a load gets it between two steps (`settle(stepped=True)`
+        starts the next turn): a load costs the engine thread about one decode step (llama.cpp's load and
+        the discovery decode), so eight requests on eight cold adapters arriving together would otherwise
+        stop every running sequence for eight steps at once."""
         if max_loaded is not None and max_loaded < 1:
             raise ParameterError("max_loaded", f"must be ≥ 1, or None for no bound (got {max_loaded})")
         self.model, self.registry, self.max_loaded = model, registry, max_loaded
-        self._users, self._load, self._unload = users, load, unload
+        self._users, self._load, self._unload, self._decoding = users, load, unload, decoding
+        self._loaded_this_step = False  # a submit's load ran since the last decode step (one per step)
         self.lru: LruPolicy[str] = LruPolicy()
         self.pinned: set[str] = set()  # set from any thread (one set operation each)
         self.cold: dict[str, ColdAdapter] = {}
         self._prepared: dict[str, CheckedAdapter] = {}  # parsed cold files, at most one per name
         self.waiting: deque[_Waiting] = deque()
         # peak: the most adapters loaded at once (past max_loaded only by explicit loads while all are in use)
-        self.stats = {"reloads": 0, "evictions": 0, "waited": 0, "parsed_on_engine_thread": 0, "peak": 0}
+        self.stats = {"reloads": 0, "evictions": 0, "waited": 0, "parsed_on_engine_thread": 0, "peak": 0,
+                      "deferred": 0}  # deferred: submits whose load waited for the next step (one per step)
 
     # -- queries (any thread) ----------------------------------------------------------------------
     def needs_load(self, names: Iterable[str]) -> bool:
@@ -361,7 +367,7 @@ class LoadedTier:
         AdapterCapacityError instead). Loads wait behind loads: first come, first loaded."""
         self._keep(prepared)
         item = _Waiting(list(names), build, future)  # type: ignore[arg-type]
-        if self.waiting and self.needs_load(names) and wait:
+        if wait and self.needs_load(names) and (self.waiting or self._load_turn_taken()):
             self.waiting.append(item)
             return
         if not self._run(item):
@@ -403,17 +409,28 @@ class LoadedTier:
         self.lru.forget(name)
         self._drop_prepared(name)
 
-    def settle(self) -> None:
-        """After requests finished: evict past the bound what is free now, then let waiting submits in."""
+    def settle(self, stepped: bool = False) -> None:
+        """After requests finished: evict past the bound what is free now, then let waiting submits in.
+        `stepped`: a decode step just ran, so the next submit that needs a load may have it."""
+        if stepped:
+            self._loaded_this_step = False
         if self.max_loaded is not None and len(self.registry.adapters) > self.max_loaded:
             self._trim(keep=set())
         if not self.waiting:
             return
         still: deque[_Waiting] = deque()
         for w in self.waiting:  # loads in order: once one finds no room, later loads wait without looking
-            if (still and self.needs_load(w.names)) or not self._run(w):
+            if (still and self.needs_load(w.names)) or (self.needs_load(w.names) and self._load_turn_taken()) \
+                    or not self._run(w):
                 still.append(w)
         self.waiting = still
+
+    def _load_turn_taken(self) -> bool:
+        """A load already ran since the last step while sequences decode: this one waits for the next step."""
+        if self._loaded_this_step and self._decoding():
+            self.stats["deferred"] += 1
+            return True
+        return False
 
     def close(self, error: Exception) -> None:
         """Fail the submits still waiting with `error` and drop the parsed files."""
@@ -462,6 +479,7 @@ class LoadedTier:
                 self._evict(victim)
         for n in cold:
             self._reload(n)
+        self._loaded_this_step = True
         return True
 
     def _cold_of(self, names: Iterable[str]) -> list[str]:
