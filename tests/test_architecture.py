@@ -223,9 +223,9 @@ def test_every_module_has_all_and_each_public_name_one_home():
 # -- typed records where data crosses modules ---------------------------------------------------------------
 
 def _stats_records() -> list[type]:
-    from loramux.engine.stats import EngineStats, SchedulerSnapshot, SlotWaits
+    from loramux.engine.stats import DecodeGaps, EngineStats, SchedulerSnapshot, SlotWaits
     from loramux.server.metrics import ServerSnapshot
-    return [EngineStats, SlotWaits, SchedulerSnapshot, ServerSnapshot]
+    return [EngineStats, SlotWaits, DecodeGaps, SchedulerSnapshot, ServerSnapshot]
 
 
 def test_stats_and_snapshots_are_frozen_records():
@@ -338,13 +338,13 @@ def test_every_metric_reads_a_field_that_exists_on_its_record():
 def test_every_exported_figure_comes_from_its_field():
     """Render /metrics' text from a snapshot in which every figure is a distinct number: each family shows
     the number of its own field (a family that read a renamed or wrong field would show another, or fail)."""
-    from loramux.engine.stats import EngineStats, SchedulerSnapshot, SlotWaits
+    from loramux.engine.stats import DecodeGaps, EngineStats, SchedulerSnapshot, SlotWaits
     from loramux.server.metrics import Metrics, ServerSnapshot
     counters = EngineStats(**{f.name: 100 + i for i, f in enumerate(dataclasses.fields(EngineStats))})
     counters = dataclasses.replace(counters, prompt_tokens=1000)  # more than the reused ones
     eng = SchedulerSnapshot(waiting=3, running=5, kv_used=64, kv_total=256, running_adapters={"a": 2},
                             waiting_adapters={"b": 1}, slot_waits=SlotWaits(0.25, 0.75, 2.0, 14), counters=counters,
-                            kv_guarded_decodes=7)
+                            kv_guarded_decodes=7, decode_gaps=DecodeGaps(0.001, 0.0125, 0.5, 40))
     snap = ServerSnapshot(engine=eng, resident=("a", "c"), known=9, waiting_not_resident=("b",), max_lora=4,
                           evictions=11, loads={"ok": 12, "error": 13}, in_flight=6)
     m = Metrics(lambda: snap)
@@ -358,6 +358,7 @@ def test_every_exported_figure_comes_from_its_field():
         "loramux_known_adapters": 9, "loramux_requests_in_flight": 6, "loramux_slot_wait_p50_seconds": 0.25,
         "loramux_slot_wait_p99_seconds": 0.75, "loramux_slot_wait_max_steps": 14,
         "loramux_bank_decodes_total": counters.bank_decodes, 'loramux_adapter_requests_running{adapter="a"}': 2,
+        "loramux_decode_gap_max_seconds": 0.5, "loramux_decode_gap_p99_seconds": 0.0125,
         'loramux_adapter_requests_waiting{adapter="b"}': 1,
         "loramux_adapter_switches_total": counters.adapter_switches, "loramux_decode_steps_total": counters.decode_steps,
         "loramux_adapter_evictions_total": 11, "loramux_kv_guarded_decodes_total": 7,

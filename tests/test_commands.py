@@ -120,6 +120,7 @@ COMMANDS: dict[str, Case] = {
         Case(r"admin:   on"),
     "loramux serve --adapter-dir ./adapters --allow-remote-adapters --max-adapter-bytes 1073741824":
         Case(SERVE),
+    "loramux serve --lora-dir ./adapters --max-loaded 64": Case(SERVE + r", pirate, style"),
     # docs/llama-server.md
     "loramux serve --cors-origins http://localhost:5173": Case(SERVE),
     "curl http://127.0.0.1:8080/completion -H 'Content-Type: application/json' -d '{\"prompt\": \"The capital of "

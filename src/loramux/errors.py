@@ -19,6 +19,7 @@ Every public error is defined here. The tree (``code`` is what the server puts i
     ├── ScaleError                  invalid_scale        (also a ValueError)
     ├── SlotsBusyError              slots_busy           every bank slot is in use
     ├── AdapterCapacityError        adapter_capacity     an adapter set cannot be loaded at once (max_loaded)
+    ├── AdapterDirError             invalid_adapter_dir  a directory of adapters to register cannot be (every problem)
     ├── SourceError                 invalid_source       a source cannot be resolved
     │   ├── DownloadError           download_failed
     │   │   ├── ChecksumError       checksum_mismatch
@@ -210,6 +211,18 @@ class AdapterCapacityError(LoramuxError):
                                     f"use: {kept_txt}) "
                                     "leave too little", hint="unload or unpin an adapter, or raise max_loaded "
                                                              "(--max-loaded)")
+
+
+class AdapterDirError(LoramuxError):
+    """Directories of adapters to register at start (`--lora-dir`) hold files that cannot be registered: bad
+    names, files outside the directory, duplicate names, more than the bound. Lists every problem at once."""
+
+    code = "invalid_adapter_dir"
+
+    def __init__(self, dirs: Iterable[str], problems: Iterable[str], *, hint: str | None = None) -> None:
+        self.dirs = [str(d) for d in dirs]
+        LoramuxError.__init__(self, f"cannot register the adapters of {', '.join(self.dirs)}", problems=problems,
+                              hint=hint)
 
 
 class SourceError(LoramuxError):
@@ -438,7 +451,7 @@ class ProbeMismatch(LoramuxError):
 
 
 __all__ = [
-    "AdapterCapacityError", "AdapterError", "AdapterNotFoundError", "AdapterVersionError", "BackendError", "ChecksumError", "ContextLengthError",
+    "AdapterCapacityError", "AdapterDirError", "AdapterError", "AdapterNotFoundError", "AdapterVersionError", "BackendError", "ChecksumError", "ContextLengthError",
     "ControlVectorError", "ConversionError", "DownloadCancelled", "DownloadError", "DownloadRefused",
     "ChatTemplateError", "EngineClosedError", "FactorError", "GGUFFormatError", "GrammarBudgetError", "GrammarError",
     "GrammarSyntaxError",

@@ -32,6 +32,7 @@ read:    GET /v1/models, /lora-adapters, /health, /metrics
 """
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+WELCOME_ADAPTERS = 10  # adapter names the start banner lists (a --lora-dir may register 100,000)
 
 
 def add_parsers(sub: Any) -> None:
@@ -70,6 +71,16 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--adapter-dir", action="append", default=[], metavar="DIR",
                    help="directory runtime loads by path may read from (repeatable); without one, "
                         "/v1/load_lora_adapter refuses paths")
+    p.add_argument("--lora-dir", action="append", default=[], metavar="DIR",
+                   help="register every *.gguf file of DIR under its file name without .gguf (repeatable), "
+                        "cold: nothing is read at start, the first request naming one loads it; bad names, "
+                        "files outside DIR and duplicates stop the start (docs/server.md, Cold adapters)")
+    p.add_argument("--max-adapters", type=int, default=None, metavar="N",
+                   help="adapters the server knows at most, loaded or cold (default 100000); loads past it "
+                        "get 400 too_many_adapters")
+    p.add_argument("--metric-adapters", type=int, default=None, metavar="N",
+                   help="adapter names with their own /metrics series; requests on others count under "
+                        "'_other_' (default 100)")
     p.add_argument("--allow-remote-adapters", action="store_true", default=None,
                    help="let /v1/load_lora_adapter fetch https:// and hf:// sources")
     p.add_argument("--allow-private-networks", action="store_true", default=None,
@@ -213,6 +224,8 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         read_timeout_s=args.read_timeout, keep_alive_s=args.keep_alive_timeout, write_timeout_s=args.write_timeout,
         public_metrics=args.public_metrics,
         adapter_dirs=tuple(base.adapter_dirs) + tuple(args.adapter_dir) if args.adapter_dir else None,
+        lora_dirs=tuple(base.lora_dirs) + tuple(args.lora_dir) if args.lora_dir else None,
+        max_adapters=args.max_adapters, metric_adapters=args.metric_adapters,
         allow_remote_adapters=args.allow_remote_adapters, max_loaded=args.max_loaded,
         allow_private_networks=args.allow_private_networks, max_adapter_bytes=args.max_adapter_bytes,
         served_model_name=args.served_model_name, max_body_bytes=args.max_body_bytes,
@@ -270,7 +283,9 @@ def welcome(settings: Any, base: str, adapters: list[str]) -> str:
     model = adapters[0] if adapters else base
     auth = ' -H "Authorization: Bearer $LORAMUX_API_KEY"' if settings.api_key else ""
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32})
-    models = ", ".join([f"{base} (base)", *adapters])
+    shown = adapters[:WELCOME_ADAPTERS] + ([f"… {len(adapters) - WELCOME_ADAPTERS} more (GET /v1/models)"]
+                                           if len(adapters) > WELCOME_ADAPTERS else [])
+    models = ", ".join([f"{base} (base)", *shown])
     admin = ("on (admin key set)" if settings.admin_api_key else
              "off: load/unload need --admin-api-key")
     return "\n".join([

@@ -10,8 +10,10 @@ An adapter a request names lives in one of these tiers (fastest first):
   is a plain copy into the bank's host memory, no parsing, no reading back, no checks;
 - **loaded**: registered with the engine (llama.cpp holds its tensors), in `LoadedTier`, bounded by
   `EngineOptions.max_loaded` (the server's `--max-loaded`). Making it warm reads its live factors back;
-- **cold**: evicted from the loaded tier; `LoadedTier` keeps its file and loads it again, on the engine
-  thread in the same step that queues the request naming it (so it is loaded *and in use* at once).
+- **cold**: evicted from the loaded tier, or registered without ever being loaded (`register_cold`: the
+  server's `--lora-dir`); `LoadedTier` keeps its file and loads it, on the engine thread in the same step
+  that queues the request naming it (so it is loaded *and in use* at once). A cold adapter costs its
+  `ColdAdapter` record alone: nothing else in any tier grows with the number of cold adapters.
 
 Every tier evicts with `LruPolicy` (least recently used first, among what the tier says may go). The
 warm tier is bounded by bytes (`adapter_cache_bytes`, default `DEFAULT_CACHE_BYTES`); an entry is keyed
@@ -35,7 +37,7 @@ from typing import Generic, TypeVar
 
 import numpy as np
 
-from ..errors import AdapterCapacityError, ParameterError
+from ..errors import AdapterCapacityError, AdapterError, ParameterError
 from .adapters import CheckedAdapter, LoRAAdapter
 from .model import Model
 from .options import DEFAULT_ADAPTER_CACHE_BYTES
@@ -260,9 +262,9 @@ class Prefetcher:
         thread.join(timeout)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ColdAdapter:
-    """An adapter the loaded tier evicted: what loading it again takes."""
+    """An adapter the loaded tier evicted, or registered cold: what loading it (again) takes."""
 
     name: str
     path: Path  # the local file it was loaded from (a download: its cached copy)
@@ -295,20 +297,26 @@ class LoadedTier:
 
     def __init__(self, model: Model, registry: Registry, max_loaded: int | None, *,
                  users: Callable[[LoRAAdapter], int], load: Callable[[CheckedAdapter, ColdAdapter], LoRAAdapter],
-                 unload: Callable[[str], None]) -> None:
+                 unload: Callable[[str], None], decoding: Callable[[], bool] = lambda: False) -> None:
         """`load(checked, cold)` registers a parsed file again (engine thread); `unload(name)` takes an
-        adapter out of the registry (it is freed once nothing uses it)."""
+        adapter out of the registry (it is freed once nothing uses it); `decoding()`: do sequences run now?
+        While they do, at most one submit that needs a load gets it between two steps (`settle(stepped=True)`
+        starts the next turn): a load costs the engine thread about one decode step (llama.cpp's load and
+        the discovery decode), so eight requests on eight cold adapters arriving together would otherwise
+        stop every running sequence for eight steps at once."""
         if max_loaded is not None and max_loaded < 1:
             raise ParameterError("max_loaded", f"must be ≥ 1, or None for no bound (got {max_loaded})")
         self.model, self.registry, self.max_loaded = model, registry, max_loaded
-        self._users, self._load, self._unload = users, load, unload
+        self._users, self._load, self._unload, self._decoding = users, load, unload, decoding
+        self._loaded_this_step = False  # a submit's load ran since the last decode step (one per step)
         self.lru: LruPolicy[str] = LruPolicy()
         self.pinned: set[str] = set()  # set from any thread (one set operation each)
         self.cold: dict[str, ColdAdapter] = {}
         self._prepared: dict[str, CheckedAdapter] = {}  # parsed cold files, at most one per name
         self.waiting: deque[_Waiting] = deque()
         # peak: the most adapters loaded at once (past max_loaded only by explicit loads while all are in use)
-        self.stats = {"reloads": 0, "evictions": 0, "waited": 0, "parsed_on_engine_thread": 0, "peak": 0}
+        self.stats = {"reloads": 0, "evictions": 0, "waited": 0, "parsed_on_engine_thread": 0, "peak": 0,
+                      "deferred": 0}  # deferred: submits whose load waited for the next step (one per step)
 
     # -- queries (any thread) ----------------------------------------------------------------------
     def needs_load(self, names: Iterable[str]) -> bool:
@@ -324,13 +332,32 @@ class LoadedTier:
         return 0 if a is None else self._users(a)
 
     def prepare(self, names: Iterable[str]) -> dict[str, CheckedAdapter]:
-        """Parse and check the files of the evicted adapters among `names`, here (not on the engine thread)."""
+        """Parse and check the files of the evicted adapters among `names`, here (not on the engine thread).
+        A file that cannot be used raises its AdapterError, naming the adapter (`name`): this request fails,
+        the adapter stays cold (its file is read again by the next request naming it)."""
         out: dict[str, CheckedAdapter] = {}
-        for n in dict.fromkeys(names):
-            cold = self.cold.get(n)
-            if cold is not None and n not in self._prepared:
-                out[n] = CheckedAdapter(self.model, cold.path)
+        try:
+            for n in dict.fromkeys(names):
+                cold = self.cold.get(n)
+                if cold is not None and n not in self._prepared:
+                    out[n] = _parse(self.model, cold)
+        except BaseException:
+            for c in out.values():
+                c.close()
+            raise
         return out
+
+    def register_cold(self, adapters: Iterable[ColdAdapter]) -> int:
+        """Know adapters without loading them (engine thread): each is loaded by the first request naming it,
+        like an evicted one. Names loaded or known already are refused (ParameterError), none registered then.
+        Returns how many are cold now."""
+        new = list(adapters)
+        clash = sorted({a.name for a in new if a.name in self.registry.adapters or a.name in self.cold})
+        if clash or len({a.name for a in new}) != len(new):
+            raise ParameterError("adapters", f"names known already or given twice: {', '.join(clash) or '(repeated)'}")
+        for a in new:
+            self.cold[a.name] = a
+        return len(self.cold)
 
     # -- the engine thread -------------------------------------------------------------------------
     def enter(self, names: list[str], prepared: Mapping[str, CheckedAdapter], build: Callable[[], T],
@@ -340,7 +367,7 @@ class LoadedTier:
         AdapterCapacityError instead). Loads wait behind loads: first come, first loaded."""
         self._keep(prepared)
         item = _Waiting(list(names), build, future)  # type: ignore[arg-type]
-        if self.waiting and self.needs_load(names) and wait:
+        if wait and self.needs_load(names) and (self.waiting or self._load_turn_taken()):
             self.waiting.append(item)
             return
         if not self._run(item):
@@ -382,17 +409,28 @@ class LoadedTier:
         self.lru.forget(name)
         self._drop_prepared(name)
 
-    def settle(self) -> None:
-        """After requests finished: evict past the bound what is free now, then let waiting submits in."""
+    def settle(self, stepped: bool = False) -> None:
+        """After requests finished: evict past the bound what is free now, then let waiting submits in.
+        `stepped`: a decode step just ran, so the next submit that needs a load may have it."""
+        if stepped:
+            self._loaded_this_step = False
         if self.max_loaded is not None and len(self.registry.adapters) > self.max_loaded:
             self._trim(keep=set())
         if not self.waiting:
             return
         still: deque[_Waiting] = deque()
         for w in self.waiting:  # loads in order: once one finds no room, later loads wait without looking
-            if (still and self.needs_load(w.names)) or not self._run(w):
+            if (still and self.needs_load(w.names)) or (self.needs_load(w.names) and self._load_turn_taken()) \
+                    or not self._run(w):
                 still.append(w)
         self.waiting = still
+
+    def _load_turn_taken(self) -> bool:
+        """A load already ran since the last step while sequences decode: this one waits for the next step."""
+        if self._loaded_this_step and self._decoding():
+            self.stats["deferred"] += 1
+            return True
+        return False
 
     def close(self, error: Exception) -> None:
         """Fail the submits still waiting with `error` and drop the parsed files."""
@@ -441,6 +479,7 @@ class LoadedTier:
                 self._evict(victim)
         for n in cold:
             self._reload(n)
+        self._loaded_this_step = True
         return True
 
     def _cold_of(self, names: Iterable[str]) -> list[str]:
@@ -482,7 +521,7 @@ class LoadedTier:
         checked = self._prepared.pop(name, None)
         if checked is None:  # evicted after its submit looked: parse it here, rarely
             self.stats["parsed_on_engine_thread"] += 1
-            checked = CheckedAdapter(self.model, cold.path)
+            checked = _parse(self.model, cold)
         try:
             self._load(checked, cold)
         finally:
@@ -503,6 +542,15 @@ class LoadedTier:
         c = self._prepared.pop(name, None)
         if c is not None:
             c.close()
+
+
+def _parse(model: Model, cold: ColdAdapter) -> CheckedAdapter:
+    """A cold adapter's file, parsed and checked; its AdapterError names the adapter."""
+    try:
+        return CheckedAdapter(model, cold.path)
+    except AdapterError as e:
+        e.name = cold.name
+        raise
 
 
 __all__ = ["DEFAULT_CACHE_BYTES", "PREFETCH_QUEUE_MAX", "ColdAdapter", "LoadedTier", "LruPolicy", "Prefetcher", "SlotBlocks",

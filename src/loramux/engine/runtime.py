@@ -91,7 +91,7 @@ class Engine:
         # the loaded tier: which adapters llama.cpp holds, at most max_loaded (residency.py)
         self.loaded = LoadedTier(model, self.registry, opts.max_loaded, users=self.scheduler.users,
                                  load=lambda checked, cold: self._register(checked, cold.name, cold.source),
-                                 unload=self._retire)
+                                 unload=self._retire, decoding=lambda: any(self.scheduler.slots))
         self.evaluator = Evaluator(model, self._eval_opts, self.registry, self.loaded.use_now,
                                    self.scheduler.guard)  # logits and losses apart from serving
         self.control: ControlSetting | None = None  # default control-vector setting (see control.py)
@@ -178,7 +178,7 @@ class Engine:
                         log.exception("scheduler step failed")
                         self.scheduler.fail_all(e)
                     self._free_retired()
-                    self.loaded.settle()  # requests finished: evict past max_loaded, let waiting submits in
+                    self.loaded.settle(stepped=True)  # evict past max_loaded, let waiting submits in
             else:
                 cmds.idle_wait(0.5)
         # commands queued after close() began are answered, never left hanging

@@ -26,7 +26,7 @@ from .phases import BatchEntry, Phase
 from .request import Request
 from .sampling import Completion, TextAssembler
 from .scoring import SCORE_ROWS, SCORE_ROWS_SHARED
-from .stats import Counters, SchedulerSnapshot, SlotWaits
+from .stats import Counters, GapClock, SchedulerSnapshot, SlotWaits
 
 log = logging.getLogger("loramux")
 
@@ -69,6 +69,7 @@ class Scheduler:
         self._slot_waits: deque[float] = deque(maxlen=SLOT_WAITS_KEPT)
         self._slot_wait_steps: deque[int] = deque(maxlen=SLOT_WAITS_KEPT)  # the same waits in decode steps
         self.stats = Counters()  # engine thread only; readers get `stats.frozen()` (stats.py)
+        self.gaps = GapClock()  # time between decodes while sequences run (stats.py)
 
     # -- bookkeeping --------------------------------------------------------------------------
     @property
@@ -117,7 +118,8 @@ class Scheduler:
             waiting=len(waiting), running=len(running), kv_used=sum(r.n_past for r in running),
             kv_total=self.ctx.n_ctx, running_adapters=per_adapter(running), waiting_adapters=per_adapter(waiting),
             slot_waits=self.slot_wait_quantiles(), counters=self.stats.frozen(),
-            kv_guarded_decodes=self.guard.guarded_decodes if self.guard is not None else 0)
+            kv_guarded_decodes=self.guard.guarded_decodes if self.guard is not None else 0,
+            decode_gaps=self.gaps.frozen())
 
     # -- one step -----------------------------------------------------------------------------
     def step(self) -> None:
@@ -138,12 +140,14 @@ class Scheduler:
         masked = self.bank is not None and phase.banked and (self.deterministic or not _uniform(entries))
         try:
             self._apply(phase, masked)
+            self.gaps.decoding()
             self._decode(entries, guarded, masked)
         except Exception as e:  # noqa: BLE001 - the batch's requests fail; waiting ones and the engine go on
             err = e if isinstance(e, LoramuxError) else RequestFailed("decode", phase.adapters.as_dict(), e)
             for r, _ in plan:
                 self._finish(r, error=err)
             return
+        self.gaps.decoded(running=True)
         self.stats.decode_steps += 1
         self.stats.bank_decodes += masked
         b = self.ctx.batch
@@ -158,6 +162,8 @@ class Scheduler:
                 continue
             if out_idx is not None:
                 self._sample_or_fail(r, out_idx)
+        if not any(self.slots):
+            self.gaps.decoded(running=False)  # the engine may go idle now: that wait is no gap
 
     def _guard_plan(self, members: list[Request]) -> tuple[list[Request], bool]:
         """Every decode that holds a risky set runs with the KV guard, whatever its size; where the guard

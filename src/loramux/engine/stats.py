@@ -7,9 +7,13 @@ The engine thread counts into `Counters` (mutable, its own); readers get frozen 
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType
+
+GAPS_KEPT = 1024  # recent decode gaps the p99 is taken over
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +62,45 @@ class SlotWaits:
     max_steps: int = 0  # most decode steps one of them waited (bounded: docs/scaling.md, "Slot waits")
 
 
+@dataclass(frozen=True, slots=True)
+class DecodeGaps:
+    """Wall time between the end of one decode of the serving context and the start of the next while
+    sequences stayed running: what commands (adapter loads, evictions), admissions (slot writes) and sampling
+    add between steps. Idle time (nothing running) never counts."""
+
+    p50_s: float = 0.0  # over the recent GAPS_KEPT gaps
+    p99_s: float = 0.0
+    max_s: float = 0.0  # since the engine started
+    count: int = 0  # gaps measured since start
+
+
+class GapClock:
+    """Measures `DecodeGaps` on the engine thread: `decoding()` before a decode, `decoded(running)` after."""
+
+    def __init__(self) -> None:
+        self._last: float | None = None  # end of the last decode that left sequences running
+        self._recent: deque[float] = deque(maxlen=GAPS_KEPT)
+        self._max, self._count = 0.0, 0
+
+    def decoding(self) -> None:
+        if self._last is not None:
+            gap = time.perf_counter() - self._last
+            self._recent.append(gap)
+            self._max = max(self._max, gap)
+            self._count += 1
+        self._last = None
+
+    def decoded(self, running: bool) -> None:
+        self._last = time.perf_counter() if running else None
+
+    def frozen(self) -> DecodeGaps:
+        """A copy for another thread."""
+        xs = sorted(list(self._recent))
+        if not xs:
+            return DecodeGaps(max_s=self._max, count=self._count)
+        return DecodeGaps(xs[len(xs) // 2], xs[min(len(xs) - 1, int(0.99 * len(xs)))], self._max, self._count)
+
+
 def _no_counts() -> Mapping[str, int]:
     return MappingProxyType({})
 
@@ -75,6 +118,7 @@ class SchedulerSnapshot:
     slot_waits: SlotWaits = SlotWaits()
     counters: EngineStats = EngineStats()
     kv_guarded_decodes: int = 0  # decodes run with the KV guard
+    decode_gaps: DecodeGaps = DecodeGaps()
 
     @property
     def kv_usage(self) -> float:
@@ -82,4 +126,4 @@ class SchedulerSnapshot:
         return self.kv_used / self.kv_total if self.kv_total else 0.0
 
 
-__all__ = ["Counters", "EngineStats", "SchedulerSnapshot", "SlotWaits"]
+__all__ = ["GAPS_KEPT", "Counters", "DecodeGaps", "EngineStats", "GapClock", "SchedulerSnapshot", "SlotWaits"]

@@ -16,6 +16,8 @@
     cors_origins = ["https://app.internal"]             # browser pages allowed cross-origin (default: none)
     max_queue = 32                       # waiting beyond the `parallel` running ones (default max(64, 8 × parallel))
     adapter_dirs = ["/adapters"]         # runtime loads by path only from here
+    lora_dirs = ["/adapters/cold"]       # every *.gguf here registered at start under its stem, loaded on first use
+    max_adapters = 100000                # adapters the server knows (loaded or cold) at most
     allow_remote_adapters = false
     allow_private_networks = false       # remote loads may not reach loopback/link-local/private hosts
     max_adapter_bytes = 4294967296       # largest adapter a remote load downloads (4 GiB)
@@ -54,6 +56,10 @@ NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-:@+/]{0,127}$")
 NAME_RULE = "1-128 characters: letters, digits and . _ - : @ + /, starting with a letter or digit"
 #: Size cap of a remote load: LoRA adapters of the largest open models at rank 64 in F16 take 1-2 GiB.
 DEFAULT_MAX_ADAPTER_BYTES = 4 << 30
+#: Adapters one server knows (loaded or cold, `--lora-dir` ones included): each costs ~1 kB of table.
+DEFAULT_MAX_ADAPTERS = 100_000
+#: Adapter names with their own series in /metrics; requests on others count under "_other_".
+DEFAULT_METRIC_ADAPTERS = 100
 KEY_RE = re.compile(r"^[\x21-\x7e]+$")  # what a client can send in 'Authorization: Bearer KEY'
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 CORS_ORIGIN_RE = re.compile(r"^[a-z][a-z0-9+.-]*://[^/\s?#]+$")  # an Origin header's form: no path, no query
@@ -110,6 +116,9 @@ class ServerSettings:
     public_metrics: bool = False  # /metrics without the API key (for scrapers such as the GIE endpoint picker)
     cors_origins: tuple[str, ...] = ()  # browser origins allowed cross-origin ("*": any); () = no CORS (access.py)
     adapter_dirs: tuple[str, ...] = ()
+    lora_dirs: tuple[str, ...] = ()  # every *.gguf registered cold at start under its stem (server/lora_dirs.py)
+    max_adapters: int = DEFAULT_MAX_ADAPTERS  # adapters known at once (loaded or cold); loads past it get 400
+    metric_adapters: int = DEFAULT_METRIC_ADAPTERS  # adapter names with their own /metrics series
     allow_remote_adapters: bool = False
     allow_private_networks: bool = False  # remote loads may reach loopback, link-local and private addresses
     max_adapter_bytes: int | None = DEFAULT_MAX_ADAPTER_BYTES  # size cap of a remote load; None: no cap
@@ -176,7 +185,7 @@ class ServerSettings:
         for k in sorted(set(data) - known):
             problems.append(f"unknown key {k!r} (known: {', '.join(sorted(known | {'lora', 'control_vector'}))})")
         kwargs = {k: v for k, v in data.items() if k in known}
-        for k in ("adapter_dirs", "allowed_hosts", "rpc", "cors_origins"):
+        for k in ("adapter_dirs", "lora_dirs", "allowed_hosts", "rpc", "cors_origins"):
             if isinstance(kwargs.get(k), list):
                 kwargs[k] = tuple(str(d) for d in kwargs[k])
         if problems:
@@ -209,9 +218,16 @@ class ServerSettings:
         problems += self._security_problems()
         problems += self._budget_problems()
         problems += _tool_format_problems(self.tool_format)
-        for d in self.adapter_dirs:
-            if not Path(d).expanduser().is_dir():
-                problems.append(f"adapter_dirs: {d} is not a directory")
+        for key in ("adapter_dirs", "lora_dirs"):
+            for d in getattr(self, key):
+                if not Path(d).expanduser().is_dir():
+                    problems.append(f"{key}: {d} is not a directory")
+        for key in ("max_adapters", "metric_adapters"):
+            v = getattr(self, key)
+            if type(v) is not int or v < (1 if key == "max_adapters" else 0):
+                problems.append(f"{key}: must be an integer ≥ {1 if key == 'max_adapters' else 0}, got {v!r}")
+        if type(self.max_adapters) is int and len(self.loras) > self.max_adapters:
+            problems.append(f"max_adapters={self.max_adapters} but {len(self.loras)} adapters are loaded at start")
         names = [e.name for e in self.loras] + ([self.served_model_name] if self.served_model_name else [])
         for e in self.loras:
             if not NAME_RE.match(e.name):
@@ -378,5 +394,5 @@ def _entries(raw: Any, cls: type, key: str, problems: list[str]) -> list[Any]:
     return out
 
 
-__all__ = ["KEY_SOURCES", "LOOPBACK_HOSTS", "ControlEntry", "LoraEntry", "NAME_RE", "ServerSettings",
+__all__ = ["DEFAULT_MAX_ADAPTERS", "DEFAULT_METRIC_ADAPTERS", "KEY_SOURCES", "LOOPBACK_HOSTS", "ControlEntry", "LoraEntry", "NAME_RE", "ServerSettings",
            "read_key_file"]

@@ -14,17 +14,18 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import Awaitable, Iterator
+from collections.abc import Awaitable, Iterator, Mapping
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from fastapi import Request as HTTPRequest
 
 from ..engine.grammar import ActiveGrammar
 from ..engine.sampling import StopMatcher
-from ..errors import GrammarError
+from ..errors import AdapterError, GrammarError
 from . import logit_bias
 from .errors import APIError, context_length, from_exception
 from .pool import Entry
@@ -69,7 +70,8 @@ class Job:
             self.ticket.release()
         if completion is not None:  # per adapter, also for the sequences of a group (recorded as one request)
             for e in self.entries:
-                self.state.metrics.adapter_tokens.labels(e.name).inc(len(completion.tokens))
+                self.state.metrics.adapter_tokens.labels(self.state.metrics.adapter_label(e.name)).inc(
+                    len(completion.tokens))
         if record:
             self.state.record(self.model, status, started=self.started,
                               first_token_at=getattr(self.request, "first_token_at", None),
@@ -231,10 +233,12 @@ async def submit_job(state: ServerState, body: CompletionRequest | ChatRequest, 
         except asyncio.CancelledError:  # the client left: withdraw the submit once it is made
             task.add_done_callback(lambda t: t.cancelled() or t.exception() is not None or withdraw(t.result()))
             raise
+        except AdapterError as e:
+            raise cold_load_error(e, loras, body.model) from None
     else:
         fut = eng.submit_async(tokens, **kwargs)
     for name in loras:
-        state.metrics.adapter_requests.labels(name).inc()
+        state.metrics.adapter_requests.labels(state.metrics.adapter_label(name)).inc()
     try:
         job.request = await asyncio.shield(asyncio.wrap_future(fut))
         note({k: v for ph in job.request.phases for k, v in ph.adapters.versions.items()})
@@ -242,10 +246,23 @@ async def submit_job(state: ServerState, body: CompletionRequest | ChatRequest, 
         withdraw(fut)
         job.finish(499, record=False)  # the route records failures of start()
         raise
+    except AdapterError as e:  # a cold adapter's file failed its load on the engine thread
+        job.finish(400, record=False)
+        raise cold_load_error(e, loras, body.model) from None
     except BaseException:
         job.finish(500, record=False)
         raise
     return job
+
+
+def cold_load_error(e: AdapterError, loras: Mapping[str, float], model: str | None) -> APIError:
+    """A request's adapter could not be loaded from its file (a cold or evicted one): a 400 naming the adapter
+    and the file (its name only: the directories are the admin plane's), for this request alone."""
+    name = e.name if e.name in loras else next(iter(loras), "?")
+    path = Path(e.path)
+    text = str(e).replace(str(path), path.name)
+    return APIError(400, f"adapter {name!r} cannot be loaded from its file {path.name}: {text}",
+                    code=e.code, param="model" if name == model else "lora")
 
 
 def withdraw(fut: Future[Any]) -> None:
@@ -323,4 +340,4 @@ async def finished(owner: Finishes, work: Awaitable[T], http: HTTPRequest) -> T 
 
 
 __all__ = ["Finishes", "Job", "chat_prompt", "constraint", "counts_failure", "drain", "finished", "prompt_tokens",
-           "sampling_args", "start", "submit_job", "until_client_leaves", "wait_disconnect", "withdraw"]
+           "cold_load_error", "sampling_args", "start", "submit_job", "until_client_leaves", "wait_disconnect", "withdraw"]

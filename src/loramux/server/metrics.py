@@ -95,6 +95,10 @@ class _LiveCollector:
              "(bounded: see docs/scaling.md).", e.slot_waits.p99_s),
             ("loramux_slot_wait_max_steps", "Most decode steps one of the recent banked requests waited for bank "
              "slots (bounded: see docs/scaling.md).", e.slot_waits.max_steps),
+            ("loramux_decode_gap_max_seconds", "Longest wall time between two decodes while sequences ran, since "
+             "start (adapter loads, evictions, slot writes and sampling between steps).", e.decode_gaps.max_s),
+            ("loramux_decode_gap_p99_seconds", "99th percentile of recent gaps between decodes while sequences "
+             "ran.", e.decode_gaps.p99_s),
         ):
             yield GaugeMetricFamily(name, doc, value=value)
         info = GaugeMetricFamily("vllm:lora_requests_info", "Adapter state; value: time of this update.",
@@ -163,10 +167,19 @@ def _llamacpp(e: SchedulerSnapshot, phases: PhaseSeconds) -> Iterator[Metric]:
         yield GaugeMetricFamily(name, doc, value=value)
 
 
-class Metrics:
-    """Counters and histograms updated by the request handlers, plus the live collector."""
+OTHER = "_other_"  # the label of adapters past `metric_adapters` (label sets stay bounded)
 
-    def __init__(self, snapshot: Callable[[], ServerSnapshot]) -> None:
+
+class Metrics:
+    """Counters and histograms updated by the request handlers, plus the live collector.
+
+    Adapter names label series (per model, per adapter) for the first `max_adapters` names seen; requests
+    on any other adapter count under `OTHER`, so a server with 100,000 registered adapters keeps /metrics
+    to a bounded size. An unloaded adapter's series go (`forget`), which frees its place."""
+
+    def __init__(self, snapshot: Callable[[], ServerSnapshot], max_adapters: int = 100) -> None:
+        self.max_adapters = max_adapters
+        self._names: set[str] = set()  # adapter names with series of their own
         r = self.registry = CollectorRegistry()
         self.requests = Counter("loramux_requests", "Finished requests by model and HTTP status "
                                 "(499: the client went away).", ["model", "status"], registry=r)
@@ -209,9 +222,21 @@ class Metrics:
         self.phase_seconds.prompt += max(0.0, prompt_s)
         self.phase_seconds.predict += max(0.0, predict_s)
 
+    def adapter_label(self, name: str) -> str:
+        """The label an adapter's series use: its name while fewer than `max_adapters` have one, else OTHER."""
+        if name in self._names:
+            return name
+        if len(self._names) < self.max_adapters:
+            self._names.add(name)
+            return name
+        return OTHER
+
     def forget(self, name: str) -> None:
         """Remove every series labelled with this model or adapter name (an adapter that was unloaded), so
         label sets hold only names that are served."""
+        if name not in self._names:
+            return  # never labelled: nothing to walk (an unload of a cold adapter never used)
+        self._names.discard(name)
         for metric, labels in self._labelled:
             keys = {tuple(s.labels[k] for k in labels) for family in metric.collect() for s in family.samples
                     if s.labels.get(labels[0]) == name}
@@ -222,4 +247,4 @@ class Metrics:
                     pass
 
 
-__all__ = ["CONTENT_TYPE", "Metrics", "PhaseSeconds", "ServerSnapshot"]
+__all__ = ["CONTENT_TYPE", "OTHER", "Metrics", "PhaseSeconds", "ServerSnapshot"]

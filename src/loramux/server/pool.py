@@ -1,6 +1,8 @@
 """The server's adapter table: names, stable ids, default and global scales, source policy and safety.
 
-Residency is not decided here: the engine's loaded tier (engine/residency.py, bounded by `--max-loaded`
+Adapters come from `--lora` (loaded at start, pinned), runtime loads, and `--lora-dir` (registered cold:
+an entry and the tier's `ColdAdapter` record, nothing loaded; server/lora_dirs.py). At most
+`max_adapters` are known at once. Residency is not decided here: the engine's loaded tier (engine/residency.py, bounded by `--max-loaded`
 through `EngineOptions.max_loaded`) evicts the least recently used adapter no request uses and loads it
 again, in the same engine-thread step that queues a request naming it. So a request's adapters are
 loaded *and in use* at once, with no window for another request's load to evict them. An entry's
@@ -24,6 +26,7 @@ the admin plane.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import math
 import os
@@ -33,12 +36,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..engine.residency import LoadedTier
+from ..engine.residency import ColdAdapter, LoadedTier
 from ..engine.runtime import Engine
 from ..errors import AdapterCapacityError, DownloadRefused, SourceError
 from ..sources import CancelToken, Source, SourceOptions, display, resolve
 from .config import NAME_RE, NAME_RULE, ServerSettings
 from .errors import APIError, model_not_found
+from .lora_dirs import scan
 from .schemas import LoraRef
 
 log = logging.getLogger("loramux.server")
@@ -99,6 +103,7 @@ class AdapterPool:
         self.base_name = base_name
         self.entries: dict[str, Entry] = {}
         self._next_id = 0
+        self._globals: list[Entry] | None = None  # global_set(), rebuilt after a change
         self._lock: asyncio.Lock | None = None
         if settings.max_loaded is not None:  # the server's bound is the engine's loaded tier's
             engine.loaded.max_loaded = settings.max_loaded
@@ -113,6 +118,19 @@ class AdapterPool:
             scale = e.scale if e else (active.get(name) or 1.0)
             glob = e.apply if e else active.get(name, 0.0)
             self._add(name, str(a.source), str(a.path), scale, glob, pinned=True)
+        self._register_dirs()
+
+    def _register_dirs(self) -> None:
+        """Register every adapter file of `--lora-dir` cold (AdapterDirError listing every problem)."""
+        s = self.settings
+        if not s.lora_dirs:
+            return
+        files = scan(s.lora_dirs, [self.base_name, *self.entries], s.max_adapters - len(self.entries))
+        self.engine.call(lambda: self.engine.loaded.register_cold(ColdAdapter(f.name, Path(f.path), f.path)
+                                                                  for f in files))
+        for f in files:
+            self._add(f.name, f.path, f.path, 1.0, 0.0, pinned=False)
+        log.info("registered %d cold adapters from %s", len(files), ", ".join(s.lora_dirs))
 
     # ------------------------------------------------------------------ lookups
     @property
@@ -122,10 +140,19 @@ class AdapterPool:
         return self._lock
 
     def ordered(self) -> list[Entry]:
-        return sorted(self.entries.values(), key=lambda e: e.id)
+        """Every entry by id (the table's own order: ids only grow, a replacement keeps its place)."""
+        return list(self.entries.values())
 
     def resident(self) -> list[Entry]:
-        return [e for e in self.ordered() if e.resident]
+        """Loaded entries by id: from the loaded tier (at most --max-loaded), not a walk of every entry."""
+        got = [e for e in map(self.entries.get, list(self.engine.loaded.registry.adapters)) if e is not None]
+        return sorted(got, key=lambda e: e.id)
+
+    def global_set(self) -> list[Entry]:
+        """Entries with a nonzero global scale, by id (what a base-model request without `lora` gets)."""
+        if self._globals is None:
+            self._globals = [e for e in self.entries.values() if e.global_scale != 0.0]
+        return self._globals
 
     @property
     def evictions(self) -> int:
@@ -138,6 +165,7 @@ class AdapterPool:
             e.pinned = True
         self._next_id += 1
         self.entries[name] = e
+        self._globals = None
         return e
 
     def _by_ref(self, ref: LoraRef, i: int) -> Entry:
@@ -147,7 +175,8 @@ class AdapterPool:
             e = next((x for x in self.entries.values() if x.id == ref.id), None)
         if e is None:
             what = repr(ref.name) if ref.name is not None else f"id {ref.id}"
-            known = ", ".join(f"{x.id}:{x.name}" for x in self.ordered()) or "none"
+            first = list(itertools.islice(self.entries.values(), 21))  # an error names a few, not 100,000
+            known = (", ".join(f"{x.id}:{x.name}" for x in first[:20]) + (" …" if len(first) > 20 else "")) or "none"
             raise APIError(404, f"lora[{i}]: no adapter {what} (loaded: {known}); GET /lora-adapters lists them",
                            code="adapter_not_found", param=f"lora[{i}]")
         return e
@@ -160,12 +189,11 @@ class AdapterPool:
         plus the `lora` list. Unknown names and ids are 404s: never a silent fallback to the base.
         """
         if model is None or model == self.base_name:
-            out = ({} if lora is not None else
-                   {e.name: e.global_scale for e in self.ordered() if e.global_scale != 0.0})
+            out = {} if lora is not None else {e.name: e.global_scale for e in self.global_set()}
         elif model in self.entries:
             out = {model: self.entries[model].scale}
         else:
-            raise model_not_found(model, [self.base_name, *(e.name for e in self.ordered())])
+            raise model_not_found(model, [self.base_name, *itertools.islice(self.entries, 20)])
         for i, ref in enumerate(lora or ()):
             e = self._by_ref(ref, i)
             s = e.scale if ref.scale is None else float(ref.scale)
@@ -193,6 +221,9 @@ class AdapterPool:
             local = str(await self.fetch(source, cancel))
         async with self.lock:
             old = self.entries.get(name)
+            if old is None and len(self.entries) >= self.settings.max_adapters:
+                raise APIError(400, f"the server knows {len(self.entries)} adapters, its bound (--max-adapters); "
+                                    "unload one first", code="too_many_adapters", param="lora_name")
             if old is not None and not replace:
                 raise APIError(400, f"an adapter named {name!r} is already loaded; unload it first, or send "
                                     "\"replace\": true to swap it atomically", code="adapter_exists",
@@ -229,6 +260,7 @@ class AdapterPool:
                                     "loaded again since; GET /v1/models lists each adapter's lora_id",
                                code="adapter_id_mismatch", param="lora_int_id")
             del self.entries[name]
+            self._globals = None
             await asyncio.wrap_future(self._queue_removal(name))  # loaded or evicted: the engine forgets it
             return e
 
@@ -243,10 +275,11 @@ class AdapterPool:
             if not math.isfinite(s) or abs(s) > MAX_SCALE:
                 raise APIError(400, f"scale of id {i} must be finite and within ±{MAX_SCALE:g}", code="invalid_scale",
                                param="scale")
-        for e in self.entries.values():
+        for e in self.global_set():
             e.global_scale = 0.0
         for i, s in pairs:
             by_id[i].global_scale = float(s)
+        self._globals = None
 
     # ------------------------------------------------------------------ remote sources
     def source_options(self, cancel: CancelToken | None = None) -> SourceOptions:

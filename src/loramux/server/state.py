@@ -41,7 +41,7 @@ class ServerState:
         self.base_name = base_name
         self.started = int(time.time())
         self.pool = AdapterPool(engine, settings, base_name)
-        self.metrics = Metrics(self.snapshot)
+        self.metrics = Metrics(self.snapshot, settings.metric_adapters)
         self.controls = _load_controls(settings)
         self._control_cache: OrderedDict[tuple[str, float], ControlSetting] = OrderedDict()
         self.in_flight = 0  # generation requests accepted and not finished (event loop only)
@@ -74,7 +74,7 @@ class ServerState:
     def label(self, model: str | None) -> str:
         if model is None or model == self.base_name:
             return self.base_name
-        return model if model in self.pool.entries else UNKNOWN
+        return self.metrics.adapter_label(model) if model in self.pool.entries else UNKNOWN
 
     def record(self, model: str | None, status: int, *, started: float, first_token_at: float | None = None,
                prompt_tokens: int = 0, generated_tokens: int | None = None) -> None:

@@ -55,9 +55,14 @@ def _residency(state: ServerState, name: str) -> str:
     return "loaded"
 
 
-def _served(state: ServerState, metric: str, name: str) -> int:
-    value = state.metrics.registry.get_sample_value(metric, {"adapter": name})
-    return int(value or 0)
+def _served(state: ServerState, metric: str) -> dict[str, int]:
+    """adapter label -> the counter's value, read in one walk of the registry (not one per adapter)."""
+    out: dict[str, int] = {}
+    for family in state.metrics.registry.collect():
+        for s in family.samples:
+            if s.name == metric and "adapter" in s.labels:
+                out[s.labels["adapter"]] = int(s.value)
+    return out
 
 
 def adapters(state: ServerState, admin: bool) -> tuple[list[dict[str, Any]], list[Any]]:
@@ -65,6 +70,8 @@ def adapters(state: ServerState, admin: bool) -> tuple[list[dict[str, Any]], lis
     loaded adapter of each row (or None) whose sha256 the caller fills in off the event loop. Call on the
     event loop: the adapter table is the loop's alone."""
     rows, loaded = [], []
+    requests = _served(state, "loramux_adapter_requests_total")
+    tokens = _served(state, "loramux_adapter_generation_tokens_total")
     for e in state.pool.ordered():
         a = state.engine.adapters.get(e.name)
         rows.append({
@@ -72,8 +79,7 @@ def adapters(state: ServerState, admin: bool) -> tuple[list[dict[str, Any]], lis
             "global_scale": e.global_scale, "pinned": e.pinned, "residency": _residency(state, e.name),
             "rank": None if a is None else a.rank, "alpha": None if a is None else a.alpha,
             "targets": None if a is None else sorted(a.targets), "size": None if a is None else a.size,
-            "sha256": None, "requests": _served(state, "loramux_adapter_requests_total", e.name),
-            "tokens": _served(state, "loramux_adapter_generation_tokens_total", e.name)})
+            "sha256": None, "requests": requests.get(e.name, 0), "tokens": tokens.get(e.name, 0)})
         loaded.append(a)
     return rows, loaded
 

@@ -1,0 +1,199 @@
+"""Cold adapters: R adapters registered from a `--lora-dir` (1,000 and 10,000), loaded on first use, against one.
+
+Side by side in one run, each `loramux serve` a subprocess on 127.0.0.1 with the same model, threads and
+`--parallel`: (1) one adapter loaded with `--lora`, every request on it; (R) R adapter files (hard links of
+one rank-r F16 adapter, so the disk holds one) registered with `--lora-dir` and `--max-loaded 64`, requests
+drawn by Zipf (s = 1) over all R. Per server: aggregate generated tokens/s (median of --repeats runs, the
+same seeded request sequences for each), TTFT p50/p99, the server's RSS after the runs, the longest gap
+between two decodes while sequences ran (`loramux_decode_gap_max_seconds`: what cold loads cost the
+sequences already decoding) and cold loads done; for each R, start time minus the one-adapter server's
+over R (registration per adapter), an in-process `scan` of the directory, and /v1/models and /metrics
+response sizes and latencies.
+
+Target: ≥ 0.9× the one-adapter throughput at 1,000 registered; decode gap ≤ 1 ms beyond the one-adapter
+server's.
+
+    python benchmarks/cold_adapters.py --requests 32 --tokens 16 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from _common import common_args, dump_json, machine_info, model_path, print_machine, print_table
+from many_adapters import adapter_sequence, rss_mb, run_cell, write_adapters
+from serve import Server
+
+from loramux.server.lora_dirs import scan
+
+MAX_LOADED = 64
+
+
+def link_dir(work: Path, one: str, n: int) -> Path:
+    """A directory of n hard links to one adapter file, named a0.gguf … a{n-1}.gguf."""
+    d = work / f"reg{n}"
+    d.mkdir(exist_ok=True)
+    for k in range(n):
+        p = d / f"a{k}.gguf"
+        if not p.exists():
+            os.link(one, p)
+    return d
+
+
+def metric(srv: Server, name: str) -> float:
+    for line in httpx.get(srv.url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return float("nan")
+
+
+def endpoint(srv: Server, path: str, repeats: int = 5) -> tuple[int, float]:
+    """(bytes, median ms) of GET path."""
+    sizes, times = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        r = httpx.get(srv.url + path, timeout=60)
+        times.append((time.perf_counter() - t0) * 1000)
+        sizes.append(len(r.content))
+    return sizes[-1], statistics.median(times)
+
+
+def bench(label: str, argv: list[str], n_adapters: int, args: argparse.Namespace) -> dict[str, Any]:
+    srv = Server(argv, "loramux", [])
+    out: dict[str, Any] = {"startup_s": srv.startup}
+    try:
+        runs = []
+        for rep in range(max(1, args.repeats)):
+            seq = adapter_sequence(n_adapters, args.requests, "zipf", 1.0, seed=7 + rep)
+            runs.append(run_cell(srv, seq, args.parallel, args.tokens))
+        runs.sort(key=lambda r: r["tok_s"])
+        out.update(runs[(len(runs) - 1) // 2])
+        out["all_tok_s"] = [r["tok_s"] for r in runs]
+        out["rss_mb"] = rss_mb(srv.proc.pid)
+        out["gap_max_ms"] = metric(srv, "loramux_decode_gap_max_seconds") * 1000
+        out["gap_p99_ms"] = metric(srv, "loramux_decode_gap_p99_seconds") * 1000
+        out["evictions"] = metric(srv, "loramux_adapter_evictions_total")
+        out["models"] = endpoint(srv, "/v1/models")
+        out["metrics"] = endpoint(srv, "/metrics")
+        print(f"{label}: {out['tok_s']:.1f} tok/s {out['all_tok_s']}", file=sys.stderr)
+    finally:
+        srv.close()
+    return out
+
+
+def profile_load(model: Path, path: str, threads: int, repeats: int) -> list[list[str]]:
+    """In one process: where a cold load's time goes, per part (median ms of `repeats`): the parse and checks
+    (off the engine thread), llama.cpp's adapter load, the discovery decode (both on the engine thread, as
+    `LoRAAdapter` does them), and the free at eviction; against one decode step of 8 sequences."""
+    from loramux import _native as N
+    from loramux.engine.adapters import CheckedAdapter, LoRAAdapter
+    from loramux.engine.runtime import Engine
+    from loramux.engine.streams import TextStream
+
+    parts: dict[str, list[float]] = {k: [] for k in ("parse", "llama.cpp load", "discovery", "free")}
+    with Engine.load(model, n_ctx=256, n_parallel=8, n_threads=threads) as eng:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            checked = CheckedAdapter(eng.model, path)
+            t1 = time.perf_counter()
+            handle = N.AdapterHandle.load(eng.model.handle, checked.pin.native_path)
+            t2 = time.perf_counter()
+            handle.close()
+            checked.close()
+            a = LoRAAdapter(eng.model, CheckedAdapter(eng.model, path), "p")  # parse + load + discovery
+            t3 = time.perf_counter()
+            a.close()
+            t4 = time.perf_counter()
+            parts["parse"].append(t1 - t0)
+            parts["llama.cpp load"].append(t2 - t1)
+            parts["discovery"].append(max(0.0, (t3 - t2) - (t2 - t0)))
+            parts["free"].append(t4 - t3)
+        eng.load_lora(path, "d")
+        steps = []
+        for _ in range(3):
+            futs = [eng.submit_async("The quick brown fox", loras={"d": 1.0}, max_tokens=16, ignore_eos=True)
+                    for _ in range(8)]
+            t0, n0 = time.perf_counter(), eng.stats().decode_steps
+            for f in futs:
+                TextStream(f.result()).consume()
+            steps.append((time.perf_counter() - t0) / max(1, eng.stats().decode_steps - n0))
+    rows = [[k, f"{statistics.median(v) * 1000:.2f}"] for k, v in parts.items()]
+    rows.append(["one decode step, 8 sequences (for scale)", f"{statistics.median(steps) * 1000:.2f}"])
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common_args(ap, repeats=3)
+    ap.add_argument("--registered", default="1000,10000", help="adapters registered cold (default 1000,10000)")
+    ap.add_argument("--parallel", type=int, default=8, help="server slots and requests in flight (default 8)")
+    ap.add_argument("--requests", type=int, default=32, help="requests per run (default 32)")
+    ap.add_argument("--tokens", type=int, default=16, help="generated tokens per request (default 16)")
+    ap.add_argument("--rank", type=int, default=8, help="adapter rank (default 8)")
+    ap.add_argument("--profile-load", action="store_true",
+                    help="only time the parts of one cold load in process (parse, llama.cpp load, discovery, free)")
+    args = ap.parse_args()
+    counts = [int(c) for c in args.registered.split(",") if c]
+    model = model_path(args.model)
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="loramux-cold-"))
+    work.mkdir(parents=True, exist_ok=True)
+    one = write_adapters(work, model, 1, args.rank)[0]
+    if args.profile_load:
+        print_machine(machine_info(args.threads))
+        print_table(f"one cold load of a rank-{args.rank} F16 adapter, in process (median ms of {max(5, args.repeats)})",
+                    ["part", "ms"], profile_load(model, one, args.threads, max(5, args.repeats)))
+        return
+    dirs = {n: link_dir(work, one, n) for n in counts}
+    info = machine_info(args.threads)
+    print_machine(info)
+    common = [sys.executable, "-m", "loramux", "serve", str(model), "--n-ctx", "512", "--threads",
+              str(args.threads), "--parallel", str(args.parallel), "--public-metrics"]
+    res: dict[str, Any] = {"1": bench("1 adapter", [*common, "--lora", f"a0={one}"], 1, args)}
+    scans = {}
+    for n in counts:
+        t0 = time.perf_counter()
+        scan([str(dirs[n])])
+        scans[n] = (time.perf_counter() - t0) / n * 1e6
+        res[str(n)] = bench(f"{n} registered", [*common, "--lora-dir", str(dirs[n]), "--max-loaded",
+                                                 str(MAX_LOADED)], n, args)
+    report(res, counts, scans, args)
+    info["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    print(f"load average at the end: {info['loadavg_end']}")
+    dump_json(args.json, {"machine": info, "results": res, "scan_us": scans, "args": vars(args)})
+
+
+def report(res: dict[str, Any], counts: list[int], scans: dict[int, float], args: argparse.Namespace) -> None:
+    base = res["1"]
+    rows = []
+    for key in ["1", *map(str, counts)]:
+        r = res[key]
+        rows.append([key if key == "1" else f"{int(key):,} (--lora-dir)", f"{r['tok_s']:.1f}",
+                     f"{r['tok_s'] / base['tok_s']:.2f}", f"{r['ttft_p50']:.2f} / {r['ttft_p99']:.2f}",
+                     f"{r['gap_max_ms']:.1f} / {r['gap_p99_ms']:.1f}", f"{r['evictions']:.0f}",
+                     f"{r['rss_mb']:.0f}", f"{r['startup_s']:.2f}"])
+    print_table(f"Zipf (s = 1) over the registered adapters: {args.parallel} streams, {args.requests} requests × "
+                f"{args.tokens} tokens, {args.threads} threads, rank-{args.rank} adapters, --max-loaded {MAX_LOADED} "
+                f"(median of {args.repeats} runs)",
+                ["adapters", "tokens/s", "vs 1 adapter", "TTFT p50 / p99 (s)", "decode gap max / p99 (ms)",
+                 "evictions", "RSS (MB)", "start (s)"], rows)
+    rows = []
+    for n in counts:
+        r = res[str(n)]
+        rows.append([f"{n:,}", f"{(r['startup_s'] - base['startup_s']) / n * 1e6:.0f}", f"{scans[n]:.1f}",
+                     f"{r['models'][0] / 1e3:.0f} kB, {r['models'][1]:.1f} ms",
+                     f"{r['metrics'][0] / 1e3:.0f} kB, {r['metrics'][1]:.1f} ms"])
+    print_table("registration and listing", ["registered", "start time over 1 adapter's, per adapter (µs)",
+                                             "scan per adapter, in process (µs)", "GET /v1/models", "GET /metrics"],
+                rows)
+
+
+if __name__ == "__main__":
+    main()
