@@ -19,7 +19,7 @@ PUBLIC = {
     "resolve", "train_zo",
 }
 ERRORS = {
-    "AdapterCapacityError", "AdapterError", "AdapterNotFoundError", "AdapterVersionError", "BackendError", "ChecksumError", "ContextLengthError",
+    "AdapterCapacityError", "AdapterDirError", "AdapterError", "AdapterNotFoundError", "AdapterVersionError", "BackendError", "ChecksumError", "ContextLengthError",
     "ControlVectorError", "ConversionError", "DownloadCancelled", "DownloadError", "DownloadRefused",
     "EngineClosedError", "FactorError", "FactorStateError", "GGUFFormatError", "GrammarBudgetError", "LoramuxError",
     "ModelError",
