@@ -422,24 +422,39 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
 # The bytes model: a step reads every weight once; the factors add their bytes, each node a fixed cost
 # ----------------------------------------------------------------------------------------------
 
-def bytes_model(rows: list[dict[str, Any]], fit: set[str]) -> dict[tuple[str, int], float]:
-    """Predicted ratio = 1 + factor bytes / base bytes + targets · c / base step, c (s per projection node)
-    fitted per (configuration, sequences) from the rows of the `fit` models; prints it against every row."""
-    fits: dict[tuple[str, int], float] = {}
-    for key in {(r["config"], r["seqs"]) for r in rows}:
-        cs = [(r["ratio"] - 1 - r["extra_bytes"] / r["base_bytes"]) * r["base_ms"] / 1e3 / r["targets"]
-              for r in rows if r["model"] in fit and (r["config"], r["seqs"]) == key]
-        fits[key] = median(cs) if cs else 0.0
+def kind_of(config: str) -> str:
+    """The kernel family of a configuration: its factor reads cost alike per byte."""
+    return "native" if config.startswith("native") else "bank F16" if config.endswith("F16") else "bank F32"
+
+
+def bytes_model(rows: list[dict[str, Any]], fit: set[str]) -> dict[tuple[str, int], tuple[float, float]]:
+    """Excess time over the base step = β · factor bytes / (weight bytes / base step) + c · projections:
+    β (a factor byte's cost against a weight byte's; 1 when both stream at memory bandwidth) and c (s per
+    projection node: graph nodes, the mask callback) fitted by least squares per (kind, sequences) over
+    the rows of the `fit` models. Prints the bandwidth bound (1 + bytes term) and the fitted prediction
+    against every measured ratio."""
+    fits: dict[tuple[str, int], tuple[float, float]] = {}
+    for key in sorted({(kind_of(r["config"]), r["seqs"]) for r in rows}):
+        sel = [r for r in rows if r["model"] in fit and (kind_of(r["config"]), r["seqs"]) == key]
+        if not sel:
+            continue
+        x = np.array([[r["extra_bytes"] / r["base_bytes"] * r["base_ms"], r["targets"]] for r in sel])
+        y = np.array([(r["ratio"] - 1) * r["base_ms"] for r in sel])
+        (beta, c_ms), *_ = np.linalg.lstsq(x, y, rcond=None)
+        fits[key] = (float(beta), float(c_ms) / 1e3)
+    print_table("bytes model fits (from " + ", ".join(sorted(fit)) + ")", ["kind", "sequences", "β",
+                "c µs/projection"], [[k, str(n), f"{b:.2f}", f"{c * 1e6:.1f}"] for (k, n), (b, c) in fits.items()])
     table = []
     for r in rows:
         frac = r["extra_bytes"] / r["base_bytes"]
-        fixed = r["targets"] * fits[(r["config"], r["seqs"])] / (r["base_ms"] / 1e3)
+        beta, c = fits.get((kind_of(r["config"]), r["seqs"]), (1.0, 0.0))
+        pred = 1 + beta * frac + r["targets"] * c / (r["base_ms"] / 1e3)
         table.append([r["model"], r["config"], str(r["seqs"]), f"{r['extra_bytes'] / 2**20:.0f}",
-                      f"{r['base_bytes'] / 2**20:.0f}", f"{frac:.3f}", f"{fixed:.3f}", f"{1 + frac + fixed:.3f}×",
-                      f"{r['ratio']:.3f}×", "fit" if r["model"] in fit else ""])
-    print_table("bytes model: 1 + factor bytes / weight bytes + per-node cost (fitted) / base step",
-                ["model", "configuration", "sequences", "factor MiB", "weight MiB", "bytes term",
-                 "node term", "predicted", "measured", ""], table)
+                      f"{r['base_bytes'] / 2**20:.0f}", f"{1 + frac:.3f}×", f"{pred:.3f}×", f"{r['ratio']:.3f}×",
+                      "fit" if r["model"] in fit else ""])
+    print_table("bytes model against the measured ratio",
+                ["model", "configuration", "sequences", "factor MiB", "weight MiB", "bandwidth bound",
+                 "fitted", "measured", ""], table)
     return fits
 
 
@@ -471,7 +486,8 @@ def predict_70b(rows: list[dict[str, Any]], fits: dict[tuple[str, int], float], 
         SPECS.setdefault(r["config"], spec_of(r["config"]))
         t_base = r["base_ms"] / 1e3 * base_bytes / r["base_bytes"]
         extra = factor_bytes(r["config"], shapes)
-        t_extra = t_base * extra / base_bytes + targets * fits[(r["config"], r["seqs"])]
+        beta, c = fits.get((kind_of(r["config"]), r["seqs"]), (1.0, 0.0))
+        t_extra = t_base * beta * extra / base_bytes + targets * c
         local = 1 + t_extra / t_base
         cells = []
         for w in args.rpc_workers:
