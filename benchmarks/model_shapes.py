@@ -329,7 +329,8 @@ def measure_shape(label: str, path: Path, args: argparse.Namespace, work: Path) 
         for name, make in configs:
             base, other = Stepper(model, n, args), make(n)
             b, o = side_by_side(base, other, args)
-            rows.append({"model": label, "config": name, "seqs": n, "base_ms": b * 1e3, "ms": o * 1e3,
+            rows.append({"model": label, "config": name, "seqs": n, "threads": args.threads,
+                         "repeats": args.repeats, "base_ms": b * 1e3, "ms": o * 1e3,
                          "ratio": o / b, "params_b": params_b, "base_bytes": base_bytes,
                          "extra_bytes": factor_bytes(name, shapes), "targets": len(shapes)})
             print(f"{label} {name} n={n}: {o * 1e3:.1f} ms vs base {b * 1e3:.1f} ms ({o / b:.3f}×)",
@@ -371,6 +372,8 @@ def main() -> None:
                     help="network round trip assumed for the 70B-over-RPC prediction (default 0.1 ms)")
     ap.add_argument("--rpc-workers", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4],
                     help="worker counts of the 70B-over-RPC prediction (default 2,4)")
+    ap.add_argument("--worker-gbs", type=float, default=100.0,
+                    help="memory bandwidth of an RPC worker for the 70B prediction (default 100 GB/s)")
     ap.add_argument("--n-ctx", type=int, default=128, help="KV cells per sequence (default 128)")
     ap.add_argument("--context", type=int, default=16, help="positions decoded before timing (default 16)")
     args = ap.parse_args()
@@ -380,10 +383,12 @@ def main() -> None:
     if bad := [d for d in args.bank_dtypes if d not in ("f32", "f16")]:
         raise SystemExit(f"error: --bank-dtypes takes f32 and f16 (got {', '.join(bad)})")
     if args.from_json:
-        rows = [r for f in args.from_json.split(",") for r in json.loads(Path(f).read_text())["rows"]]
+        runs = [json.loads(Path(f).read_text()) for f in args.from_json.split(",")]
+        rows = [{"threads": run["args"]["threads"], "repeats": run["args"]["repeats"], **r}
+                for run in runs for r in run["rows"]]
     else:
         rows = measure_all(args)
-    report(rows, args)
+    report(rows)
     fits = bytes_model(rows, set(args.fit_shapes.split(",")))
     predict_70b(rows, fits, args)
     if args.plot:
@@ -411,11 +416,12 @@ def measure_all(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
-def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
-    table = [[r["model"], r["config"], str(r["seqs"]), f"{r['base_ms']:.1f}", f"{r['ms']:.1f}",
-              f"{r['ratio']:.3f}×"] for r in rows]
-    print_table(f"one decode step against the base step ({args.threads} threads, median of {args.repeats} "
-                "interleaved steps)", ["model", "configuration", "sequences", "base ms", "ms", "vs base"], table)
+def report(rows: list[dict[str, Any]]) -> None:
+    """Every row: the configuration's step and the base step beside it."""
+    table = [[r["model"], r["config"], str(r["seqs"]), str(r["threads"]), str(r["repeats"]), f"{r['base_ms']:.1f}",
+              f"{r['ms']:.1f}", f"{r['ratio']:.3f}×"] for r in rows]
+    print_table("one decode step against the base step (medians of interleaved steps)",
+                ["model", "configuration", "sequences", "threads", "repeats", "base ms", "ms", "vs base"], table)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -427,27 +433,36 @@ def kind_of(config: str) -> str:
     return "native" if config.startswith("native") else "bank F16" if config.endswith("F16") else "bank F32"
 
 
-def bytes_model(rows: list[dict[str, Any]], fit: set[str]) -> dict[tuple[str, int], tuple[float, float]]:
+def fit_excess(rows: list[dict[str, Any]]) -> tuple[float, float]:
+    """Least squares (β ≥ 0, c ≥ 0) of excess ms = β · bytes term · base ms + c · projections."""
+    x = np.array([[r["extra_bytes"] / r["base_bytes"] * r["base_ms"], r["targets"]] for r in rows])
+    y = np.array([(r["ratio"] - 1) * r["base_ms"] for r in rows])
+    (beta, c_ms), *_ = np.linalg.lstsq(x, y, rcond=None)
+    if min(beta, c_ms) < 0:  # one term alone, the one that fits better
+        b1 = max(0.0, float(x[:, 0] @ y / (x[:, 0] @ x[:, 0])))
+        c1 = max(0.0, float(x[:, 1] @ y / (x[:, 1] @ x[:, 1])))
+        e_b, e_c = np.sum((y - b1 * x[:, 0]) ** 2), np.sum((y - c1 * x[:, 1]) ** 2)
+        beta, c_ms = (b1, 0.0) if e_b <= e_c else (0.0, c1)
+    return float(beta), float(c_ms) / 1e3
+
+
+def bytes_model(rows: list[dict[str, Any]], fit: set[str]) -> dict[str, tuple[float, float]]:
     """Excess time over the base step = β · factor bytes / (weight bytes / base step) + c · projections:
     β (a factor byte's cost against a weight byte's; 1 when both stream at memory bandwidth) and c (s per
     projection node: graph nodes, the mask callback) fitted by least squares per (kind, sequences) over
     the rows of the `fit` models. Prints the bandwidth bound (1 + bytes term) and the fitted prediction
     against every measured ratio."""
-    fits: dict[tuple[str, int], tuple[float, float]] = {}
-    for key in sorted({(kind_of(r["config"]), r["seqs"]) for r in rows}):
-        sel = [r for r in rows if r["model"] in fit and (kind_of(r["config"]), r["seqs"]) == key]
-        if not sel:
-            continue
-        x = np.array([[r["extra_bytes"] / r["base_bytes"] * r["base_ms"], r["targets"]] for r in sel])
-        y = np.array([(r["ratio"] - 1) * r["base_ms"] for r in sel])
-        (beta, c_ms), *_ = np.linalg.lstsq(x, y, rcond=None)
-        fits[key] = (float(beta), float(c_ms) / 1e3)
-    print_table("bytes model fits (from " + ", ".join(sorted(fit)) + ")", ["kind", "sequences", "β",
-                "c µs/projection"], [[k, str(n), f"{b:.2f}", f"{c * 1e6:.1f}"] for (k, n), (b, c) in fits.items()])
+    fits: dict[str, tuple[float, float]] = {}
+    for kind in sorted({kind_of(r["config"]) for r in rows}):
+        sel = [r for r in rows if r["model"] in fit and kind_of(r["config"]) == kind]
+        if sel:  # pooled over sequence counts: one run's noise (±5-10 %) is too large for a fit per cell
+            fits[kind] = fit_excess(sel)
+    print_table("bytes model fits (from " + ", ".join(sorted(fit)) + ")", ["kind", "β", "c µs/projection"],
+                [[k, f"{b:.2f}", f"{c * 1e6:.1f}"] for k, (b, c) in fits.items()])
     table = []
     for r in rows:
         frac = r["extra_bytes"] / r["base_bytes"]
-        beta, c = fits.get((kind_of(r["config"]), r["seqs"]), (1.0, 0.0))
+        beta, c = fits.get(kind_of(r["config"]), (1.0, 0.0))
         pred = 1 + beta * frac + r["targets"] * c / (r["base_ms"] / 1e3)
         table.append([r["model"], r["config"], str(r["seqs"]), f"{r['extra_bytes'] / 2**20:.0f}",
                       f"{r['base_bytes'] / 2**20:.0f}", f"{1 + frac:.3f}×", f"{pred:.3f}×", f"{r['ratio']:.3f}×",
@@ -474,31 +489,33 @@ def q4_k_m_bytes(shape: Shape, vocab: int) -> tuple[int, dict[str, tuple[int, in
     return total, shapes
 
 
-def predict_70b(rows: list[dict[str, Any]], fits: dict[tuple[str, int], float], args: argparse.Namespace) -> None:
-    """The bytes model at a Llama-style 70B, its step time scaled by weight bytes from the largest model
-    measured; over RPC with W workers (each a layer range) the step also pays a round trip per worker,
-    and the bank at least one per bank node (its masks move through ggml_backend_tensor_get/set)."""
+def predict_70b(rows: list[dict[str, Any]], fits: dict[str, tuple[float, float]],
+                args: argparse.Namespace) -> None:
+    """The bytes model at a Llama-style 70B. On this machine: the step time scaled by weight bytes from
+    the largest model measured. Over RPC with W workers, each holding a layer range (run one after
+    another): weight bytes at --worker-gbs plus a round trip per worker; the bank adds its factor bytes
+    at the same rate and a round trip per bank node (its masks move through ggml_backend_tensor_get/set
+    on the worker; the get waits for the node) plus the fitted per-node cost."""
     big = max(rows, key=lambda r: r["base_bytes"])["model"]
     base_bytes, shapes = q4_k_m_bytes(LLAMA_70B, LLAMA_VOCAB)
-    targets, rtt = len(shapes), args.rpc_rtt_ms / 1e3
+    targets, rtt, bw = len(shapes), args.rpc_rtt_ms / 1e3, args.worker_gbs * 1e9
     table = []
     for r in (r for r in rows if r["model"] == big):
         SPECS.setdefault(r["config"], spec_of(r["config"]))
-        t_base = r["base_ms"] / 1e3 * base_bytes / r["base_bytes"]
+        beta, c = fits.get(kind_of(r["config"]), (1.0, 0.0))
         extra = factor_bytes(r["config"], shapes)
-        beta, c = fits.get((kind_of(r["config"]), r["seqs"]), (1.0, 0.0))
-        t_extra = t_base * beta * extra / base_bytes + targets * c
-        local = 1 + t_extra / t_base
-        cells = []
-        for w in args.rpc_workers:
-            trips = targets * rtt if r["config"].startswith("bank") else 0.0
-            cells.append(f"{1 + (t_extra + trips) / (t_base + w * rtt):.2f}×")
+        t_base = r["base_ms"] / 1e3 * base_bytes / r["base_bytes"]
+        local = 1 + beta * extra / base_bytes + targets * c / t_base
+        trips = targets * rtt if r["config"].startswith("bank") else 0.0
+        t_rpc = base_bytes / bw
+        cells = [f"{1 + (extra / bw + targets * c + trips) / (t_rpc + w * rtt):.2f}×" for w in args.rpc_workers]
         table.append([r["config"], str(r["seqs"]), f"{extra / 2**30:.2f}",
-                      f"{extra / 2**20 / max(args.rpc_workers):.0f}", f"{t_base * 1e3:.0f}", f"{local:.3f}×", *cells])
+                      f"{extra / 2**20 / max(args.rpc_workers):.0f}", f"{local:.3f}×", *cells])
     print_table(f"predicted at {LLAMA_70B.name} ({base_bytes / 2**30:.1f} GiB of Q4_K_M weights read per step, "
-                f"{targets} projections; step time scaled from {big}; RPC round trip {args.rpc_rtt_ms} ms)",
+                f"{targets} projections; β and c of the fits; this machine: step scaled from {big}; RPC: "
+                f"{args.worker_gbs:g} GB/s per worker, {args.rpc_rtt_ms:g} ms round trip)",
                 ["configuration", "sequences", "factor GiB", f"MiB per worker of {max(args.rpc_workers)}",
-                 "base ms", "one machine", *[f"{w} RPC workers" for w in args.rpc_workers]], table)
+                 "this machine", *[f"{w} RPC workers" for w in args.rpc_workers]], table)
 
 
 def spec_of(name: str) -> tuple[int, int, int]:
