@@ -34,7 +34,7 @@ together with --from-json a.json,b.json --plot docs/img/model_shapes.png.
     python benchmarks/model_shapes.py --shapes 1b,4b,12b --repeats 9 --work-dir /var/tmp/loramux-shapes
 
 Not shipped and not run in CI. With a GPU build of llama-cpp-python
-(CMAKE_ARGS="-DGGML_CUDA=on") it runs unchanged and measures the same curve on the GPU.
+(CMAKE_ARGS="-DGGML_CUDA=on") and --gpu-layers 999 it measures the same curve on the GPU.
 """
 
 from __future__ import annotations
@@ -293,7 +293,7 @@ def measure_shape(label: str, path: Path, args: argparse.Namespace, work: Path) 
     from loramux.engine.model import Model
     from loramux.gguf_io import read_header
 
-    model = Model(path)
+    model = Model(path, n_gpu_layers=args.gpu_layers)
     shapes = projection_shapes(path)
     header = read_header(path)
     base_bytes = sum(t.nbytes for t in header.tensors.values())  # the tied embedding is read as the output
@@ -374,6 +374,8 @@ def main() -> None:
                     help="worker counts of the 70B-over-RPC prediction (default 2,4)")
     ap.add_argument("--worker-gbs", type=float, default=100.0,
                     help="memory bandwidth of an RPC worker for the 70B prediction (default 100 GB/s)")
+    ap.add_argument("--gpu-layers", type=int, default=0,
+                    help="layers offloaded on a GPU build (default 0; 999: every layer)")
     ap.add_argument("--n-ctx", type=int, default=128, help="KV cells per sequence (default 128)")
     ap.add_argument("--context", type=int, default=16, help="positions decoded before timing (default 16)")
     args = ap.parse_args()
