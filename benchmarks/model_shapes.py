@@ -535,19 +535,24 @@ def plot(rows: list[dict[str, Any]], path: Path, seqs: int) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, ax = plt.subplots(figsize=(8.5, 4.2))
     for config in dict.fromkeys(r["config"] for r in rows):
         pts = sorted((r["params_b"], r["ratio"]) for r in rows if r["config"] == config and r["seqs"] == seqs)
         if pts:
-            ax.plot(*zip(*pts), "--s" if config.startswith("native") else "-o", label=config)
+            style = "--s" if config.startswith("native") else "-.^" if config.endswith("F16") else "-o"
+            ax.plot(*zip(*pts), style, label=config)
     ax.axhline(1.05, color="grey", lw=0.8, ls=":")
     ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:.2g}"))
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.set_xticks(sorted({r["params_b"] for r in rows}))
     ax.set_xlabel("model parameters (billions)")
     ax.set_ylabel(f"decode step / base step, {seqs} sequences")
     ax.set_title("slot bank and native adapter against the base step (CPU)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
