@@ -459,8 +459,11 @@ def bytes_model(rows: list[dict[str, Any]], fit: set[str]) -> dict[str, tuple[fl
         sel = [r for r in rows if r["model"] in fit and kind_of(r["config"]) == kind]
         if sel:  # pooled over sequence counts: one run's noise (±5-10 %) is too large for a fit per cell
             fits[kind] = fit_excess(sel)
-    print_table("bytes model fits (from " + ", ".join(sorted(fit)) + ")", ["kind", "β", "c µs/projection"],
-                [[k, f"{b:.2f}", f"{c * 1e6:.1f}"] for k, (b, c) in fits.items()])
+    if not fits:  # e.g. one large shape alone: report it with the others through --from-json
+        print("\nno rows of the --fit-shapes models: the bytes model assumes β = 1, c = 0")
+    else:
+        print_table("bytes model fits (from " + ", ".join(sorted(fit)) + ")", ["kind", "β", "c µs/projection"],
+                    [[k, f"{b:.2f}", f"{c * 1e6:.1f}"] for k, (b, c) in fits.items()])
     table = []
     for r in rows:
         frac = r["extra_bytes"] / r["base_bytes"]
