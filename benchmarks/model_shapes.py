@@ -21,17 +21,27 @@ On each shape it times one decode step of 1, 4 and 8 sequences (each at position
 Each configuration is timed interleaved with the base step, one step of each per round, so the
 ratio is measured side by side; only one bank is alive at a time (a 12B bank of 8 rank-32 slots
 holds about 4 GB of F32 factors). Medians over --repeats rounds; ratios to the base step.
+--bank-dtypes f32,f16 adds F16 banks (SlotBank(dtype="f16"); loramux serve builds F32 banks).
+
+Then a bytes model: a decode step reads every weight once, so a configuration's ratio is predicted
+as 1 + (its factor bytes, K·r·(in + out) values per projection) / (the model's weight bytes) + (a
+fixed cost per projection node, fitted from the --fit-shapes rows) / (the base step), printed against
+the measured ratio of every row, and carried to a Llama-style 70B, alone and split over RPC workers
+(a round trip per worker per step, and at least one per bank node: the bank masks its nodes there
+through ggml_backend_tensor_get/set). Run one shape per process (--json each) and report them
+together with --from-json a.json,b.json --plot docs/img/model_shapes.png.
 
     python benchmarks/model_shapes.py --shapes 1b,4b,12b --repeats 9 --work-dir /var/tmp/loramux-shapes
 
 Not shipped and not run in CI. With a GPU build of llama-cpp-python
-(CMAKE_ARGS="-DGGML_CUDA=on") it runs unchanged and measures the same curve on the GPU.
+(CMAKE_ARGS="-DGGML_CUDA=on") and --gpu-layers 999 it measures the same curve on the GPU.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
 import sys
 import tempfile
 import time
@@ -195,6 +205,19 @@ def build_model(shape: Shape, ref_path: Path, out: Path) -> Path:
 # ----------------------------------------------------------------------------------------------
 
 SEQS = (1, 4, 8)
+#: configuration name -> (slots, rank, bytes per factor value): what its factors add to a step's reads
+SPECS: dict[str, tuple[int, int, int]] = {}
+
+
+def bank_name(slots: int, rank: int, dtype: str) -> str:
+    """A bank configuration's name in the tables ("bank 8×r8", "bank 8×r8 F16")."""
+    return f"bank {slots}×r{rank}" + ("" if dtype == "f32" else f" {dtype.upper()}")
+
+
+def factor_bytes(name: str, shapes: dict[str, tuple[int, int]]) -> int:
+    """Bytes of factors configuration `name` reads per step: K·r·(in + out) values per projection."""
+    k, r, size = SPECS[name]
+    return sum(k * r * (o + i) * size for o, i in shapes.values())
 TOKENS = list(range(1000, 1064))  # any ids of the real vocabulary
 
 
@@ -268,9 +291,13 @@ def measure_shape(label: str, path: Path, args: argparse.Namespace, work: Path) 
     from loramux.engine.adapters import LoRAAdapter
     from loramux.engine.bank import SlotBank
     from loramux.engine.model import Model
+    from loramux.gguf_io import read_header
 
-    model = Model(path)
+    model = Model(path, n_gpu_layers=args.gpu_layers)
     shapes = projection_shapes(path)
+    header = read_header(path)
+    base_bytes = sum(t.nbytes for t in header.tensors.values())  # the tied embedding is read as the output
+    params_b = sum(t.n_elements for t in header.tensors.values()) / 1e9
     rows: list[dict[str, Any]] = []
     configs: list[tuple[str, Callable[[int], Stepper]]] = []
     adapters: dict[int, list[Any]] = {}
@@ -288,19 +315,24 @@ def measure_shape(label: str, path: Path, args: argparse.Namespace, work: Path) 
     for rank in args.native_ranks:
         configs.append((f"native rank {rank}", lambda n, rank=rank: Stepper(
             model, n, args, loras=adapter_set(rank, 1))))
-    for k_slots in args.slots:
-        for rank in args.bank_ranks:
-            def make(n: int, k_slots: int = k_slots, rank: int = rank) -> Stepper:
-                bank = SlotBank(model, k_slots, rank)
-                slots = [bank.take_slot(a) for a in adapter_set(rank, k_slots)]
-                return Stepper(model, n, args, bank=bank, slots=slots)
-            configs.append((f"bank {k_slots}×r{rank}", make))
-    for n in SEQS:
+        SPECS[f"native rank {rank}"] = (1, rank, 4)  # the adapters are F32 files
+    for dtype in args.bank_dtypes:
+        for k_slots in args.slots:
+            for rank in args.bank_ranks:
+                def make(n: int, k_slots: int = k_slots, rank: int = rank, dtype: str = dtype) -> Stepper:
+                    bank = SlotBank(model, k_slots, rank, dtype=dtype)
+                    slots = [bank.take_slot(a) for a in adapter_set(rank, k_slots)]
+                    return Stepper(model, n, args, bank=bank, slots=slots)
+                configs.append((bank_name(k_slots, rank, dtype), make))
+                SPECS[bank_name(k_slots, rank, dtype)] = (k_slots, rank, 4 if dtype == "f32" else 2)
+    for n in args.seqs:
         for name, make in configs:
             base, other = Stepper(model, n, args), make(n)
             b, o = side_by_side(base, other, args)
-            rows.append({"model": label, "config": name, "seqs": n, "base_ms": b * 1e3, "ms": o * 1e3,
-                         "ratio": o / b})
+            rows.append({"model": label, "config": name, "seqs": n, "threads": args.threads,
+                         "repeats": args.repeats, "base_ms": b * 1e3, "ms": o * 1e3,
+                         "ratio": o / b, "params_b": params_b, "base_bytes": base_bytes,
+                         "extra_bytes": factor_bytes(name, shapes), "targets": len(shapes)})
             print(f"{label} {name} n={n}: {o * 1e3:.1f} ms vs base {b * 1e3:.1f} ms ({o / b:.3f}×)",
                   file=sys.stderr, flush=True)
             for s in (base, other):
@@ -327,12 +359,46 @@ def main() -> None:
                     help="slot ranks (default 8,32)")
     ap.add_argument("--native-ranks", type=lambda s: [int(x) for x in s.split(",")], default=[8],
                     help="ranks of the native one-adapter step (default 8)")
+    ap.add_argument("--bank-dtypes", type=lambda s: s.split(","), default=["f32"],
+                    help="bank factor types, f32 and/or f16 (default f32, what loramux serve uses)")
+    ap.add_argument("--seqs", type=lambda s: [int(x) for x in s.split(",")], default=list(SEQS),
+                    help="sequences per step (default 1,4,8)")
+    ap.add_argument("--from-json", default=None, help="no measuring: report (and plot) the rows of "
+                    "earlier --json files, comma-separated")
+    ap.add_argument("--plot", default=None, help="write the overhead-against-size plot (PNG) here")
+    ap.add_argument("--fit-shapes", default="Gemma 3 270M (real),Gemma 3 1B shape",
+                    help="models whose rows fit the bytes model's per-node cost (comma-separated labels)")
+    ap.add_argument("--rpc-rtt-ms", type=float, default=0.1,
+                    help="network round trip assumed for the 70B-over-RPC prediction (default 0.1 ms)")
+    ap.add_argument("--rpc-workers", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4],
+                    help="worker counts of the 70B-over-RPC prediction (default 2,4)")
+    ap.add_argument("--worker-gbs", type=float, default=100.0,
+                    help="memory bandwidth of an RPC worker for the 70B prediction (default 100 GB/s)")
+    ap.add_argument("--gpu-layers", type=int, default=0,
+                    help="layers offloaded on a GPU build (default 0; 999: every layer)")
     ap.add_argument("--n-ctx", type=int, default=128, help="KV cells per sequence (default 128)")
     ap.add_argument("--context", type=int, default=16, help="positions decoded before timing (default 16)")
     args = ap.parse_args()
     if not 1 <= args.context <= len(TOKENS) or args.context + args.repeats + 2 > args.n_ctx:
         raise SystemExit(f"error: --context must be 1–{len(TOKENS)} and --context + --repeats stay below "
                          f"--n-ctx ({args.n_ctx})")
+    if bad := [d for d in args.bank_dtypes if d not in ("f32", "f16")]:
+        raise SystemExit(f"error: --bank-dtypes takes f32 and f16 (got {', '.join(bad)})")
+    if args.from_json:
+        runs = [json.loads(Path(f).read_text()) for f in args.from_json.split(",")]
+        rows = [{"threads": run["args"]["threads"], "repeats": run["args"]["repeats"], **r}
+                for run in runs for r in run["rows"]]
+    else:
+        rows = measure_all(args)
+    report(rows)
+    fits = bytes_model(rows, set(args.fit_shapes.split(",")))
+    predict_70b(rows, fits, args)
+    if args.plot:
+        plot(rows, Path(args.plot), max(r["seqs"] for r in rows))
+
+
+def measure_all(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Build (once) and time every shape in --shapes, one after the other; rows also go to --json."""
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="loramux-shapes-"))
     work.mkdir(parents=True, exist_ok=True)
     info = machine_info(args.threads)
@@ -348,15 +414,152 @@ def main() -> None:
         else:
             raise SystemExit(f"error: unknown shape {key!r}; choose from 270m, {', '.join(SHAPES)}")
         rows += measure_shape(label, path, args, work)
-    report(rows, args)
     dump_json(args.json, {"machine": info, "args": vars(args), "rows": rows})
+    return rows
 
 
-def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
-    table = [[r["model"], r["config"], str(r["seqs"]), f"{r['base_ms']:.1f}", f"{r['ms']:.1f}",
-              f"{r['ratio']:.3f}×"] for r in rows]
-    print_table(f"one decode step against the base step ({args.threads} threads, median of {args.repeats} "
-                "interleaved steps)", ["model", "configuration", "sequences", "base ms", "ms", "vs base"], table)
+def report(rows: list[dict[str, Any]]) -> None:
+    """Every row: the configuration's step and the base step beside it."""
+    table = [[r["model"], r["config"], str(r["seqs"]), str(r["threads"]), str(r["repeats"]), f"{r['base_ms']:.1f}",
+              f"{r['ms']:.1f}", f"{r['ratio']:.3f}×"] for r in rows]
+    print_table("one decode step against the base step (medians of interleaved steps)",
+                ["model", "configuration", "sequences", "threads", "repeats", "base ms", "ms", "vs base"], table)
+
+
+# ----------------------------------------------------------------------------------------------
+# The bytes model: a step reads every weight once; the factors add their bytes, each node a fixed cost
+# ----------------------------------------------------------------------------------------------
+
+def kind_of(config: str) -> str:
+    """The kernel family of a configuration: its factor reads cost alike per byte."""
+    return "native" if config.startswith("native") else "bank F16" if config.endswith("F16") else "bank F32"
+
+
+def fit_excess(rows: list[dict[str, Any]]) -> tuple[float, float]:
+    """Least squares (β ≥ 0, c ≥ 0) of excess ms = β · bytes term · base ms + c · projections."""
+    x = np.array([[r["extra_bytes"] / r["base_bytes"] * r["base_ms"], r["targets"]] for r in rows])
+    y = np.array([(r["ratio"] - 1) * r["base_ms"] for r in rows])
+    (beta, c_ms), *_ = np.linalg.lstsq(x, y, rcond=None)
+    if min(beta, c_ms) < 0:  # one term alone, the one that fits better
+        b1 = max(0.0, float(x[:, 0] @ y / (x[:, 0] @ x[:, 0])))
+        c1 = max(0.0, float(x[:, 1] @ y / (x[:, 1] @ x[:, 1])))
+        e_b, e_c = np.sum((y - b1 * x[:, 0]) ** 2), np.sum((y - c1 * x[:, 1]) ** 2)
+        beta, c_ms = (b1, 0.0) if e_b <= e_c else (0.0, c1)
+    return float(beta), float(c_ms) / 1e3
+
+
+def bytes_model(rows: list[dict[str, Any]], fit: set[str]) -> dict[str, tuple[float, float]]:
+    """Excess time over the base step = β · factor bytes / (weight bytes / base step) + c · projections:
+    β (a factor byte's cost against a weight byte's; 1 when both stream at memory bandwidth) and c (s per
+    projection node: graph nodes, the mask callback) fitted by least squares per (kind, sequences) over
+    the rows of the `fit` models. Prints the bandwidth bound (1 + bytes term) and the fitted prediction
+    against every measured ratio."""
+    fits: dict[str, tuple[float, float]] = {}
+    for kind in sorted({kind_of(r["config"]) for r in rows}):
+        sel = [r for r in rows if r["model"] in fit and kind_of(r["config"]) == kind]
+        if sel:  # pooled over sequence counts: one run's noise (±5-10 %) is too large for a fit per cell
+            fits[kind] = fit_excess(sel)
+    if not fits:  # e.g. one large shape alone: report it with the others through --from-json
+        print("\nno rows of the --fit-shapes models: the bytes model assumes β = 1, c = 0")
+    else:
+        print_table("bytes model fits (from " + ", ".join(sorted(fit)) + ")", ["kind", "β", "c µs/projection"],
+                    [[k, f"{b:.2f}", f"{c * 1e6:.1f}"] for k, (b, c) in fits.items()])
+    table = []
+    for r in rows:
+        frac = r["extra_bytes"] / r["base_bytes"]
+        beta, c = fits.get(kind_of(r["config"]), (1.0, 0.0))
+        pred = 1 + beta * frac + r["targets"] * c / (r["base_ms"] / 1e3)
+        table.append([r["model"], r["config"], str(r["seqs"]), f"{r['extra_bytes'] / 2**20:.0f}",
+                      f"{r['base_bytes'] / 2**20:.0f}", f"{1 + frac:.3f}×", f"{pred:.3f}×", f"{r['ratio']:.3f}×",
+                      "fit" if r["model"] in fit else ""])
+    print_table("bytes model against the measured ratio",
+                ["model", "configuration", "sequences", "factor MiB", "weight MiB", "bandwidth bound",
+                 "fitted", "measured", ""], table)
+    return fits
+
+
+LLAMA_70B = Shape("Llama-style 70B", 8192, 80, 28672, 64, 8, head_dim=128)
+LLAMA_VOCAB = 128256
+
+
+def q4_k_m_bytes(shape: Shape, vocab: int) -> tuple[int, dict[str, tuple[int, int]]]:
+    """(bytes one decode step reads: projections in Q4_K_M's types + a Q6_K output matrix, projection shapes)."""
+    total = vocab * shape.embd // 256 * BLOCKS[Q.Q6_K][1]
+    shapes: dict[str, tuple[int, int]] = {}
+    for name, shp, qtype in tensor_plan(shape, vocab):
+        if qtype is not None and name.startswith("blk."):
+            size, nbytes, _ = BLOCKS[qtype]
+            total += shp[0] * shp[1] // size * nbytes
+            shapes[name] = (shp[0], shp[1])
+    return total, shapes
+
+
+def predict_70b(rows: list[dict[str, Any]], fits: dict[str, tuple[float, float]],
+                args: argparse.Namespace) -> None:
+    """The bytes model at a Llama-style 70B. On this machine: the step time scaled by weight bytes from
+    the largest model measured. Over RPC with W workers, each holding a layer range (run one after
+    another): weight bytes at --worker-gbs plus a round trip per worker; the bank adds its factor bytes
+    at the same rate and a round trip per bank node (its masks move through ggml_backend_tensor_get/set
+    on the worker; the get waits for the node) plus the fitted per-node cost."""
+    big = max(rows, key=lambda r: r["base_bytes"])["model"]
+    base_bytes, shapes = q4_k_m_bytes(LLAMA_70B, LLAMA_VOCAB)
+    targets, rtt, bw = len(shapes), args.rpc_rtt_ms / 1e3, args.worker_gbs * 1e9
+    table = []
+    for r in (r for r in rows if r["model"] == big):
+        SPECS.setdefault(r["config"], spec_of(r["config"]))
+        beta, c = fits.get(kind_of(r["config"]), (1.0, 0.0))
+        extra = factor_bytes(r["config"], shapes)
+        t_base = r["base_ms"] / 1e3 * base_bytes / r["base_bytes"]
+        local = 1 + beta * extra / base_bytes + targets * c / t_base
+        trips = targets * rtt if r["config"].startswith("bank") else 0.0
+        t_rpc = base_bytes / bw
+        cells = [f"{1 + (extra / bw + targets * c + trips) / (t_rpc + w * rtt):.2f}×" for w in args.rpc_workers]
+        table.append([r["config"], str(r["seqs"]), f"{extra / 2**30:.2f}",
+                      f"{extra / 2**20 / max(args.rpc_workers):.0f}", f"{local:.3f}×", *cells])
+    print_table(f"predicted at {LLAMA_70B.name} ({base_bytes / 2**30:.1f} GiB of Q4_K_M weights read per step, "
+                f"{targets} projections; β and c of the fits; this machine: step scaled from {big}; RPC: "
+                f"{args.worker_gbs:g} GB/s per worker, {args.rpc_rtt_ms:g} ms round trip)",
+                ["configuration", "sequences", "factor GiB", f"MiB per worker of {max(args.rpc_workers)}",
+                 "this machine", *[f"{w} RPC workers" for w in args.rpc_workers]], table)
+
+
+def spec_of(name: str) -> tuple[int, int, int]:
+    """SPECS entry from a configuration's name (for rows read back with --from-json)."""
+    words = name.split()
+    if words[0] == "native":
+        return 1, int(words[2]), 4
+    k, r = words[1].split("×r")
+    return int(k), int(r), 2 if words[-1] == "F16" else 4
+
+
+def plot(rows: list[dict[str, Any]], path: Path, seqs: int) -> None:
+    """Overhead ratio against parameters (log scale) per configuration at `seqs` sequences."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    fig, ax = plt.subplots(figsize=(8.5, 4.2))
+    for config in dict.fromkeys(r["config"] for r in rows):
+        pts = sorted((r["params_b"], r["ratio"]) for r in rows if r["config"] == config and r["seqs"] == seqs)
+        if pts:
+            style = "--s" if config.startswith("native") else "-.^" if config.endswith("F16") else "-o"
+            ax.plot(*zip(*pts), style, label=config)
+    ax.axhline(1.05, color="grey", lw=0.8, ls=":")
+    ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:.2g}"))
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.set_xticks(sorted({r["params_b"] for r in rows}))
+    ax.set_xlabel("model parameters (billions)")
+    ax.set_ylabel(f"decode step / base step, {seqs} sequences")
+    ax.set_title("slot bank and native adapter against the base step (CPU)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"\nplot written to {path}")
 
 
 if __name__ == "__main__":
