@@ -11,8 +11,11 @@ from conftest import PROMPT, max_diff
 from tinymodel import random_factors, write_tiny_lora
 
 import loramux as lm
+from loramux import _native as N
 from loramux.engine import factor_stage
+from loramux.engine.adapters import LoRAAdapter
 from loramux.engine.model import Context, ContextOptions
+from loramux.gguf_io import read_adapter_factors
 
 
 @pytest.fixture(params=["mirror", "direct"])
@@ -326,3 +329,56 @@ def test_writes_whose_delta_could_overflow_are_refused_like_a_load(engine, tmp_p
     edge = {q: (np.full_like(A, 1.5 * 2.0 ** 57), np.zeros_like(B))}
     a.set_factors_multi(edge)
     assert a.version == 1 and np.isfinite(engine.logits(PROMPT)).all()
+
+
+def _count_decodes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    calls: list[int] = []
+    real = N.ContextHandle.decode
+
+    def counted(self: N.ContextHandle, *a: object, **k: object) -> None:
+        calls.append(1)
+        real(self, *a, **k)
+    monkeypatch.setattr(N.ContextHandle, "decode", counted)
+    return calls
+
+
+def test_discovery_builds_the_graph_without_a_decode(engine, tiny_dir, monkeypatch):
+    """Finding where llama.cpp put an adapter's factors costs a graph build, not a decode (on the engine
+    thread, where every load runs), and finds every factor: writes through them equal a fresh load."""
+    calls = _count_decodes(monkeypatch)
+    a = engine.call(lambda: LoRAAdapter(engine.model, tiny_dir / "a.gguf", "probe"))
+    try:
+        assert calls == []
+        assert sorted(a.factor_tensors()) == sorted(a.targets)
+        file = read_adapter_factors(tiny_dir / "a.gguf")
+        for t, (fa, fb) in a.all_factors().items():  # every pointer found is the right tensor
+            assert np.array_equal(fa, file[t][0]) and np.array_equal(fb, file[t][1])
+    finally:
+        engine.call(a.close)
+
+
+def test_discovery_falls_back_to_a_decode_without_the_graph(engine, tiny_dir, monkeypatch):
+    """Where llama.cpp cannot hand over the graph, one decode with an eval callback finds the same tensors."""
+    ref = engine.call(lambda: LoRAAdapter(engine.model, tiny_dir / "a.gguf", "ref"))
+    names = {t: (f.a_shape, f.b_shape) for t, f in ref.factor_tensors().items()}
+    engine.call(ref.close)
+    monkeypatch.setattr(N.ContextHandle, "graph_nodes", lambda self: None)
+    calls = _count_decodes(monkeypatch)
+    a = engine.call(lambda: LoRAAdapter(engine.model, tiny_dir / "a.gguf", "probe"))
+    try:
+        assert len(calls) == 1
+        assert {t: (f.a_shape, f.b_shape) for t, f in a.factor_tensors().items()} == names
+    finally:
+        engine.call(a.close)
+
+
+def test_discovery_refuses_live_factors_that_differ_from_the_file(engine, tiny_dir, monkeypatch):
+    """The self-check reads a spread of targets back: a mismatch (a changed tensor layout) refuses the load."""
+    real = LoRAAdapter._read
+
+    def skewed(self: LoRAAdapter, f: object) -> tuple[np.ndarray, np.ndarray]:
+        ra, rb = real(self, f)
+        return ra + 1.0, rb
+    monkeypatch.setattr(LoRAAdapter, "_read", skewed)
+    with pytest.raises(lm.errors.BackendError, match="differ from the file"):
+        engine.call(lambda: LoRAAdapter(engine.model, tiny_dir / "a.gguf", "probe"))

@@ -17,7 +17,7 @@ import numpy as np
 from .. import ggml_types as G
 from ..errors import BackendError
 from .callbacks import MatmulStops, stops_trampoline
-from .lib import C, log, note_first_decode, set_sched_eval_callback
+from .lib import C, log, note_first_decode, reserved_graph_nodes, set_sched_eval_callback
 from .tensors import EvalCallback
 
 # --------------------------------------------------------------------------------------------
@@ -264,6 +264,12 @@ class ContextHandle(Handle):
             detail = {1: "no KV cache slot for the batch (context full)", 2: "aborted",
                       -1: "invalid batch"}.get(rc, "")
             raise BackendError("llama_decode", rc, detail)
+
+    def graph_nodes(self) -> list[int] | None:
+        """The graph nodes of a one-token decode with this context's adapters, built but not computed;
+        None where llama.cpp offers no way to (then decode with an eval callback to see them). Resets the
+        context's scheduler: for a context made to look at its graph (adapter discovery)."""
+        return reserved_graph_nodes(self.ptr)
 
     def logits_row(self, i: int) -> np.ndarray:
         """Copy of the logits of output row `i` of the last batch (-1: the last)."""

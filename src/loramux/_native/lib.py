@@ -44,8 +44,10 @@ grammar_log = threading.local()  # llama.cpp's parse messages, collected on the 
 
 
 def _grammar_log_hook(level: int, text: bytes) -> None:
+    if level not in (3, 4, 5):
+        return
     lines = getattr(grammar_log, "lines", None)
-    if lines is not None and level in (3, 4, 5):
+    if lines is not None:
         lines.append(text.decode("utf-8", errors="replace").rstrip("\n"))
 
 
@@ -56,9 +58,12 @@ def _log_cb(level: int, text: bytes, _user: Any) -> None:
         lvl = _last_level[0] if level == 5 else _LEVELS.get(level, logging.DEBUG)
         _last_level[0] = lvl
         _grammar_log_hook(level, text)
-        msg = text.decode("utf-8", errors="replace").rstrip("\n")
-        if msg and log.isEnabledFor(lvl):
-            log.log(lvl, msg)
+        # llama.cpp writes hundreds of debug lines per graph reserve and adapter load (on the engine
+        # thread): drop what nobody listens to before decoding it
+        if log.isEnabledFor(lvl):
+            msg = text.decode("utf-8", errors="replace").rstrip("\n")
+            if msg:
+                log.log(lvl, msg)
     except Exception:  # noqa: BLE001
         pass
 
@@ -134,6 +139,35 @@ def set_sched_eval_callback(ctx: Any, callback: Any) -> bool:
     libggml.ggml_backend_sched_set_eval_callback(sched, ptr, None)
     return True
 
+
+
+# `llama_graph_reserve(ctx, n_tokens, n_seqs, n_outputs)` (llama-ext.h, declared without extern "C", so
+# exported under its C++ name): builds the graph the context would compute for a ubatch of that size,
+# its adapter set included, and plans its buffers; nothing is computed. Adapter discovery reads the
+# graph's nodes from it instead of running a decode. None where the symbol is missing.
+_GRAPH_RESERVE = getattr(getattr(C, "_lib", None), "_Z19llama_graph_reserveP13llama_contextjjj", None)
+if _GRAPH_RESERVE is not None:
+    _GRAPH_RESERVE.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_uint32]
+    _GRAPH_RESERVE.restype = ctypes.c_void_p
+libggml.ggml_graph_n_nodes.argtypes = [ctypes.c_void_p]
+libggml.ggml_graph_n_nodes.restype = ctypes.c_int
+libggml.ggml_graph_node.argtypes = [ctypes.c_void_p, ctypes.c_int]
+libggml.ggml_graph_node.restype = ctypes.c_void_p
+
+
+def reserved_graph_nodes(ctx: Any) -> list[int] | None:
+    """The nodes of the graph llama_context `ctx` would compute for a one-token ubatch (with its adapters),
+    built without computing it; None where that is not possible (then decode with an eval callback).
+
+    The context's scheduler is reset by it: use a context made for this, created after every adapter
+    it sets was loaded (llama.cpp sizes a context's graph for the adapters loaded when it is created).
+    """
+    if _GRAPH_RESERVE is None:
+        return None
+    gf = _GRAPH_RESERVE(ctx, 1, 1, 1)
+    if not gf:
+        return None
+    return [int(libggml.ggml_graph_node(gf, i) or 0) for i in range(int(libggml.ggml_graph_n_nodes(gf)))]
 
 
 TILED_ENV = "GGML_CPU_TILED_MM"
