@@ -20,7 +20,6 @@ import pytest
 from tinymodel import write_tiny_lora
 
 import loramux as lm
-import loramux.engine.residency as residency
 from loramux import _native as N
 from loramux.engine.adapters import LoRAAdapter
 from loramux.errors import AdapterDirError, ParameterError
@@ -103,23 +102,26 @@ def test_registering_loads_nothing_and_the_first_request_loads_one_exactly_as_lo
 
 
 def test_a_cold_load_does_not_stop_other_sequences_decoding(tiny_model, cold_dir, monkeypatch):
-    """While the cold adapter's file parse is held, a request on another adapter keeps taking decode
-    steps; then the cold request completes."""
+    """While the cold adapter's llama.cpp load is held (after its parse, inside llama_adapter_lora_init's
+    turn), a request on another adapter keeps taking decode steps: nothing of the load runs on the engine
+    thread. Then the cold request completes."""
     entered, gate = threading.Event(), threading.Event()
-    real = residency.CheckedAdapter
+    on_engine: list[str] = []
+    real = N.AdapterHandle.load.__func__
 
-    class Gated(real):  # the real parse, held at its start for c2's file
-        def __init__(self, model, path):  # noqa: ANN001
-            if Path(path).name == "c2.gguf":
-                entered.set()
-                assert gate.wait(60)
-            super().__init__(model, path)
-    monkeypatch.setattr(residency, "CheckedAdapter", Gated)
+    def load(cls, model, path):  # noqa: ANN001, ANN202 - the classmethod's own signature
+        if threading.current_thread().name == "loramux-engine":
+            on_engine.append(path)
+        if os.path.realpath(path).endswith("c2.gguf"):
+            entered.set()
+            assert gate.wait(60)
+        return real(cls, model, path)
+    monkeypatch.setattr(N.AdapterHandle, "load", classmethod(load))
     with serving(tiny_model, [cold_dir], parallel=2, loras=(("p", cold_dir / "c0.gguf"),)) as (srv, eng, _):
         cold: list[httpx.Response] = []
         asker = threading.Thread(target=lambda: cold.append(complete(srv, "c2")))
         asker.start()
-        assert entered.wait(60)  # the cold request is in its parse, held
+        assert entered.wait(60)  # the cold request is in llama.cpp's load, held
         steps = eng.stats().decode_steps
         long = complete(srv, "p", max_tokens=100, ignore_eos=True)  # runs start to end meanwhile
         during = eng.stats().decode_steps - steps
@@ -127,8 +129,9 @@ def test_a_cold_load_does_not_stop_other_sequences_decoding(tiny_model, cold_dir
         gate.set()
         asker.join(120)
         assert long.status_code == 200 and len(long.json()["choices"][0]["token_ids"]) == 100
-        assert held and during >= 100, f"only {during} decode steps while the cold file was parsed"
+        assert held and during >= 100, f"only {during} decode steps while the cold adapter was loaded"
         assert cold[0].status_code == 200 and "c2" in eng.adapters
+        assert on_engine == [] and eng.loaded.stats["loaded_off_thread"] == 1
 
 
 def test_a_thousand_registered_keep_loaded_and_rss_bounded(tiny_model, tmp_path):
@@ -240,26 +243,54 @@ def _rss() -> int:
     return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def test_loads_arriving_together_take_one_decode_step_each(tiny_model, cold_dir):
-    """Three submits on three cold adapters queued at once while a sequence decodes: each load runs in its
-    own gap between decode steps (a load costs about a step), never three back to back."""
+def test_loads_arriving_together_are_loaded_on_their_own_threads(tiny_model, cold_dir):
+    """Three submits on three cold adapters queued at once while a sequence decodes: each is loaded on its
+    submitting thread, so the engine registers all three in one step, none waiting for a turn."""
     from loramux.engine.residency import ColdAdapter
 
     with lm.Engine.load(tiny_model, n_ctx=256, n_parallel=4, n_threads=1, slots=0) as eng:
         eng.load_lora(cold_dir / "c0.gguf", "p")
         names = ["c1", "c2", "c3"]
         eng.call(lambda: eng.loaded.register_cold(ColdAdapter(n, cold_dir / f"{n}.gguf", n) for n in names))
-        at: list[int] = []
-        real = eng.loaded._load
-        eng.loaded._load = lambda checked, cold: (at.append(eng.scheduler.stats.decode_steps), real(checked, cold))[1]
+        threads: list[str] = []
+        real = eng.loaded._build
+        eng.loaded._build = lambda checked, cold: (threads.append(threading.current_thread().name),
+                                                   real(checked, cold))[1]
         long = eng.submit_async(PROMPT, loras={"p": 1.0}, max_tokens=120, ignore_eos=True).result()
         _until(lambda: eng.scheduler.stats.decode_steps >= 2)
         gate = threading.Event()
         eng.call_async(gate.wait)  # hold the engine while the three submits queue behind it
-        futs = [eng.submit_async(PROMPT, loras={n: 1.0}, max_tokens=4) for n in names]  # parsed here, queued
+        futs = [eng.submit_async(PROMPT, loras={n: 1.0}, max_tokens=4) for n in names]  # loaded here, queued
+        gate.set()
+        done = [lm.TextStream(f.result()).consume() for f in futs]
+        lm.TextStream(long).consume()
+        assert [len(c.tokens) for c in done] == [4, 4, 4]
+        assert len(threads) == 3 and "loramux-engine" not in threads, threads
+        assert eng.loaded.stats["loaded_off_thread"] == 3 and eng.loaded.stats["deferred"] == 0
+
+
+def test_loads_left_to_the_engine_thread_take_one_decode_step_each(tiny_model, cold_dir):
+    """Where nothing loaded a cold adapter beforehand (here: no submit-side load at all), the engine thread
+    loads it, and three arriving together while a sequence decodes each get their own gap between steps
+    (such a load costs tens of ms), never three back to back."""
+    from loramux.engine.residency import ColdAdapter
+
+    with lm.Engine.load(tiny_model, n_ctx=256, n_parallel=4, n_threads=1, slots=0) as eng:
+        eng.load_lora(cold_dir / "c0.gguf", "p")
+        names = ["c1", "c2", "c3"]
+        eng.call(lambda: eng.loaded.register_cold(ColdAdapter(n, cold_dir / f"{n}.gguf", n) for n in names))
+        eng.loaded.prepare = lambda names: None  # every load is then the engine thread's
+        at: list[int] = []
+        real = eng.loaded._build
+        eng.loaded._build = lambda checked, cold: (at.append(eng.scheduler.stats.decode_steps), real(checked, cold))[1]
+        long = eng.submit_async(PROMPT, loras={"p": 1.0}, max_tokens=120, ignore_eos=True).result()
+        _until(lambda: eng.scheduler.stats.decode_steps >= 2)
+        gate = threading.Event()
+        eng.call_async(gate.wait)  # hold the engine while the three submits queue behind it
+        futs = [eng.submit_async(PROMPT, loras={n: 1.0}, max_tokens=4) for n in names]
         gate.set()
         done = [lm.TextStream(f.result()).consume() for f in futs]
         lm.TextStream(long).consume()
         assert [len(c.tokens) for c in done] == [4, 4, 4]
         assert len(at) == 3 and at[0] < at[1] < at[2], f"decode steps at each load: {at}"
-        assert eng.loaded.stats["deferred"] >= 2
+        assert eng.loaded.stats["deferred"] >= 2 and eng.loaded.stats["parsed_on_engine_thread"] == 3

@@ -125,13 +125,17 @@ def three_ranks(tiny_model, tmp_path):
     eng.close()
 
 
-def test_slot_loads_from_warm_hold_exactly_the_adapters_factors(three_ranks):
+@pytest.mark.parametrize("warm_from_load", [True, False])
+def test_slot_loads_from_warm_hold_exactly_the_adapters_factors(three_ranks, warm_from_load):
     """Adapters of falling and rising rank through one slot, each written from warm blocks the second
     time: the slot holds exactly the padded factors each time (a narrower adapter leaves no trace of
-    the wider one before it)."""
+    the wider one before it). A load makes an adapter warm from its parsed file (every write a warm hit,
+    the same contents as its live factors give); without that, the first write reads the live factors."""
     eng = three_ranks
     bank = eng.bank
     names = ["r4", "r2", "r3", "r4", "r2", "r3"]
+    if not warm_from_load:
+        eng.call(lambda: [bank.warm.discard(eng.adapter(n)) for n in names[:3]])
     for i, name in enumerate(names):
         a = eng.adapter(name)
         hits = bank.warm.stats["hits"]
@@ -141,7 +145,7 @@ def test_slot_loads_from_warm_hold_exactly_the_adapters_factors(three_ranks):
             bank.return_slot(0)
             return _slot_contents(bank, 0), _expected(bank, a)
         got, want = eng.call(write)
-        assert bank.warm.stats["hits"] == hits + (i >= 3)  # the second round comes from the warm tier
+        assert bank.warm.stats["hits"] == hits + (warm_from_load or i >= 3)  # the second round: warm anyway
         for t in bank.targets:
             assert np.array_equal(got[t][0], want[t][0]) and np.array_equal(got[t][1], want[t][1]), (name, t)
     assert bank.writes == len(names)
@@ -164,6 +168,7 @@ def test_an_in_place_write_is_not_served_from_stale_warm_blocks(three_ranks):
 def test_adapters_of_queued_requests_are_prefetched_into_the_warm_tier(three_ranks):
     eng = three_ranks
     bank = eng.bank
+    eng.call(lambda: [bank.warm.discard(eng.adapter(n)) for n in ("r2", "r3")])  # warm since their load
     toks = eng.tokenize(PROMPTS[0])
     # long enough that the prefetch, which runs between its steps, is seen well before it ends (a few ms)
     first = eng.stream(toks, loras={"r4": 1.0}, max_tokens=200, ignore_eos=True)

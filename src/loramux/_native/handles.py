@@ -24,6 +24,15 @@ from .tensors import EvalCallback
 # Handles
 # --------------------------------------------------------------------------------------------
 
+# llama.cpp keeps every adapter of a model in one unordered_set (`llama_model::loras`): an adapter load
+# inserts into it, a free erases, and a context reserving its graph iterates it (`graph_max_nodes`, at
+# creation and on the first decode after its adapter set or control vector changed). Everything else a
+# load does touches only the new adapter, so loads may run on any thread as long as these three never
+# overlap: they take this lock, and nothing else does. An engine thread decoding a fixed adapter set
+# never waits on it.
+_MODEL_ADAPTERS = threading.RLock()
+
+
 def _address(ptr: Any) -> int:
     """A ctypes pointer's address as an int (0 for NULL)."""
     return int(ctypes.cast(ptr, ctypes.c_void_p).value or 0)
@@ -192,11 +201,24 @@ class AdapterHandle(Handle):
 
     @classmethod
     def load(cls, model: ModelHandle, path: str) -> AdapterHandle:
-        ptr = C.llama_adapter_lora_init(model.ptr, os.fsencode(path))
+        """Load an adapter file into llama.cpp (any thread: see `_MODEL_ADAPTERS`)."""
+        with _MODEL_ADAPTERS:
+            ptr = C.llama_adapter_lora_init(model.ptr, os.fsencode(path))
         if not ptr:
             raise BackendError("llama_adapter_lora_init", None, f"llama.cpp refused {path}",
                                hint="the log (logger 'loramux.llama') has llama.cpp's reason")
         return cls(ptr)
+
+    def close(self, wait: bool = True) -> bool:
+        """Free the adapter (idempotent). `wait=False`: only if no load holds the model's adapter set now
+        (`_MODEL_ADAPTERS`); returns whether it is freed, so an engine thread can try again later."""
+        if not _MODEL_ADAPTERS.acquire(blocking=wait):
+            return False
+        try:  # the free erases it from the model's set
+            super().close()
+        finally:
+            _MODEL_ADAPTERS.release()
+        return True
 
     def alora_invocation_tokens(self) -> list[int]:
         n = int(C.llama_adapter_get_alora_n_invocation_tokens(self.ptr))
@@ -230,7 +252,8 @@ class ContextHandle(Handle):
             cb = _make_eval_callback(callback)
             p.cb_eval = cb
             p.cb_eval_user_data = None
-        ptr = C.llama_init_from_model(model.ptr, p)
+        with _MODEL_ADAPTERS:  # a new context reserves its graph, sized for every adapter of the model
+            ptr = C.llama_init_from_model(model.ptr, p)
         if not ptr:
             raise BackendError("llama_init_from_model", None, f"could not create a context (n_ctx={n_ctx})",
                                hint="lower n_ctx / n_parallel, or free memory")
@@ -242,6 +265,7 @@ class ContextHandle(Handle):
         h.n_vocab = model.n_vocab
         h.n_seq_max = n_seq_max
         h._adapters: tuple[tuple[int, float], ...] = ()
+        h._reserve_due = False  # llama.cpp re-reserves the graph at the next decode (adapter set or cvec changed)
         return h
 
     def decode(self, batch: Batch, eval_callback: bool = True) -> None:
@@ -259,7 +283,12 @@ class ContextHandle(Handle):
             # detach on every such decode: a graph build in between may have put it back
             if set_sched_eval_callback(self.ptr, self._cb if eval_callback else None):
                 self._cb_on = eval_callback
-        rc = C.llama_decode(self.ptr, batch.struct)
+        if self._reserve_due:
+            with _MODEL_ADAPTERS:
+                rc = C.llama_decode(self.ptr, batch.struct)
+                self._reserve_due = False
+        else:
+            rc = C.llama_decode(self.ptr, batch.struct)
         if rc != 0:
             detail = {1: "no KV cache slot for the batch (context full)", 2: "aborted",
                       -1: "invalid batch"}.get(rc, "")
@@ -312,6 +341,7 @@ class ContextHandle(Handle):
         arr = (C.llama_adapter_lora_p_ctypes * max(n, 1))(*[a.ptr for a in adapters])
         sc = (ctypes.c_float * max(n, 1))(*scales)
         rc = C.llama_set_adapters_lora(self.ptr, arr if n else None, n, sc if n else None)
+        self._reserve_due = True
         if rc != 0:
             raise BackendError("llama_set_adapters_lora", rc)
         self._adapters = key
@@ -330,6 +360,7 @@ class ContextHandle(Handle):
             self._cvec = flat  # keep alive until replaced
             rc = C.llama_set_adapter_cvec(self.ptr, flat.ctypes.data_as(ctypes.POINTER(ctypes.c_float)),
                                           flat.size, n_embd, il_start, il_end)
+        self._reserve_due = True
         if rc != 0:
             raise BackendError("llama_set_adapter_cvec", rc)
 

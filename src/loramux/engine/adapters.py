@@ -1,8 +1,8 @@
 """LoRA adapters: validated load, identity, file info, tensor discovery and factor reads.
 
 An adapter's factor tensors live where llama.cpp allocated them; the compute graph points at them.
-We find them once per adapter (a one-token decode through `cb_eval` on a short-lived context with
-only this adapter active), check what we found against the file, and from then on read them directly
+We find them once per adapter (the graph of a one-token decode, built but not computed, on a short-lived
+context with only this adapter active), check what we found against the file, and from then on read them directly
 with `ggml_backend_tensor_get`. Writes belong to the adapter's `FactorWriter` (factor_writer.py:
 staging, one lock, the hop between decodes); `set_factors*` and `edit()` here hand over to it.
 """
@@ -27,6 +27,7 @@ from ..gguf_io import (
     LORA_B,
     PinnedFile,
     read_adapter_factors,
+    read_adapter_header,
     sha256_file,
     validate_adapter,
     write_adapter,
@@ -46,17 +47,20 @@ class CheckedAdapter:
     reader), the factor read and the NaN/Inf and overflow checks all go through that descriptor, and
     llama.cpp later loads the same file through it. Parsing and checking cost grows with the file
     (about 40 s/GB for a crafted header before the reader was bounded; a real 100 MB adapter tens of
-    ms), so `Engine.load_lora` does this on the caller's thread and hands only the llama.cpp calls to
-    the engine thread. `close()` releases the descriptor (idempotent; `LoRAAdapter` closes it).
+    ms), so `Engine.load_lora` does this on the caller's thread, and `LoRAAdapter` too; the engine thread
+    only publishes the result. `close()` releases the descriptor (idempotent; `LoRAAdapter` closes it).
     """
 
     def __init__(self, model: Model, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         self.pin = PinnedFile(path)
         try:
-            self.info = validate_adapter(path, model.architecture, model.tensor_shapes, fd=self.pin.fd)
-            # Read the factors once: for the NaN/Inf and overflow checks now and the discovery self-check.
-            self.factors = read_adapter_factors(path, fd=self.pin.fd)
+            header = read_adapter_header(path, self.pin.fd)  # read once, for the checks and the factors
+            self.info = validate_adapter(path, model.architecture, model.tensor_shapes, fd=self.pin.fd,
+                                         header=header)
+            # Read the factors once: for the NaN/Inf and overflow checks now, the discovery self-check and
+            # the slot blocks and KV-guard gains of the load (runtime.py)
+            self.factors = read_adapter_factors(path, fd=self.pin.fd, header=header)
             _refuse_unusable(path, self.factors, self.info.alpha)
         except BaseException:
             self.pin.close()
@@ -91,9 +95,10 @@ class LoRAAdapter:
                  between: Callable[[Callable[[], Any]], Any] | None = None, *, source: str | None = None) -> None:
         """Load `file` (a path, or a `CheckedAdapter` checked earlier on another thread) into llama.cpp.
 
-        Call on the engine thread: it makes llama.cpp calls (the adapter load and a one-token
-        discovery decode). `between` runs later reads and writes between decodes (the engine's
-        `call_between_decodes`; without an engine they run on the caller's thread).
+        Any thread: llama.cpp's load and the tensor discovery (a graph built on a context of its own) share
+        nothing with running decodes but the model's adapter set, which _native guards. `between` runs
+        later reads and writes between decodes (the engine's `call_between_decodes`; without an engine
+        they run on the caller's thread).
         """
         checked = file if isinstance(file, CheckedAdapter) else CheckedAdapter(model, file)
         try:
@@ -334,13 +339,14 @@ class LoRAAdapter:
             raise FactorError(self.name, "the adapter was unloaded",
                               problems=["load it again (Engine.load_lora) and use the new LoRAAdapter"])
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> bool:
         """Free the native adapter (only once no context uses it; the registry sees to that).
 
-        The writer closes first: a write being published finishes, later ones raise.
+        The writer closes first: a write being published finishes, later ones raise. `wait=False`: return
+        False instead of waiting for an adapter load running on another thread (try again later).
         """
         self.writer.close()
-        self.handle.close()
+        return self.handle.close(wait)
 
 
 __all__ = ["CheckedAdapter", "LoRAAdapter"]

@@ -31,7 +31,7 @@ of silently serving unmasked output. A node the plan does not cover is zeroed (n
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -338,14 +338,18 @@ class SlotBank:
         s.adapter, s.version = adapter, version
         self.writes += 1
 
-    def prepare(self, adapter: LoRAAdapter) -> SlotBlocks:
+    def prepare(self, adapter: LoRAAdapter, factors: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None
+                ) -> SlotBlocks:
         """The adapter's slot blocks (A (r_t, in), B (out, r_t) scaled by the target's alpha/rank), checked.
 
         Any thread: the live factors are read on the engine thread (between decodes), the rest here.
-        Raises AdapterError naming every problem when they cannot go into a slot.
+        `factors`: the adapter's file as parsed, for an adapter as loaded (version 0), so that nothing at
+        all runs on the engine thread. Raises AdapterError naming every problem when they cannot go into a slot.
         """
         version = adapter.version
-        facs = adapter.all_factors()  # live factors (on the engine thread: inline)
+        if factors is not None and version != 0:
+            raise LoramuxError(f"adapter {adapter.name!r} was written in place: its file is not its factors")
+        facs = factors if factors is not None else adapter.all_factors()  # live: on the engine thread, inline
         problems: list[str] = []
         out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         with np.errstate(over="ignore", invalid="ignore"):
@@ -368,7 +372,8 @@ class SlotBank:
         missing = [t for t in facs if t not in self._target_set]
         if missing:
             problems.append(f"{len(missing)} targets outside the bank, e.g. {missing[0]}")
-        problems += delta_bound_problems(facs, adapter.alpha)  # in-place writes may have changed them
+        if factors is None:  # in-place writes may have changed them (a file's were checked at its load)
+            problems += delta_bound_problems(facs, adapter.alpha)
         if problems:
             raise AdapterError(str(adapter.path), "cannot be written into a slot of the bank",
                                problems=problems[:5], name=adapter.name,
@@ -383,6 +388,12 @@ class SlotBank:
         """Keep prefetched blocks, on the engine thread, unless the adapter was unloaded meanwhile (its
         forget() already ran there: nothing would ever drop them)."""
         self._run(lambda: None if adapter.handle.closed else self.warm.put(blocks))
+
+    def warm_from_file(self, adapter: LoRAAdapter, factors: Mapping[str, tuple[np.ndarray, np.ndarray]]) -> None:
+        """Make an adapter just loaded (and not yet served) warm from its parsed file, on this thread.
+        Nothing happens for an adapter that cannot live in a slot (it is served natively)."""
+        if self.refusal(adapter) is None:
+            self.warm.put(self.prepare(adapter, factors))
 
     def prefetch(self, adapters: Sequence[LoRAAdapter]) -> None:
         """Make these adapters warm in the background unless they are in a slot or warm already."""

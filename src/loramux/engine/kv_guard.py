@@ -39,7 +39,7 @@ every adapter with attn_k/attn_v targets counts as risky.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -168,16 +168,20 @@ class KvGuard:
     def available(self) -> bool:
         return self.stops is not None
 
-    def gains(self, adapter: LoRAAdapter) -> tuple[float, float]:
+    def gains(self, adapter: LoRAAdapter, factors: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None
+              ) -> tuple[float, float]:
         """(largest g of its attn_k/attn_v targets, largest g of its other targets), for its current factors.
 
         A K/V target's g is its largest |Δ| over every input its layer's norm can give, divided by
-        `x_bound` (so g·x_bound bounds |Δ|); with the norm unknown, the plain `target_gain`."""
+        `x_bound` (so g·x_bound bounds |Δ|); with the norm unknown, the plain `target_gain`. `factors`: its
+        parsed file, for an adapter as loaded (version 0), so that the engine thread never computes them."""
         key = (adapter.uid, adapter.version)
         got = self._gains.get(key)
         if got is None:
             kv = other = 0.0
-            for t, (a, b) in adapter.all_factors().items():
+            if factors is not None and adapter.version != 0:
+                factors = None  # written in place since: its file is not its factors
+            for t, (a, b) in (factors if factors is not None else adapter.all_factors()).items():
                 parts = t.split(".")
                 if parts[-2] in KV_TARGETS:
                     kv = max(kv, self._kv_gain(a, b, adapter.tensor_scaling(t), parts))

@@ -11,9 +11,11 @@ An adapter a request names lives in one of these tiers (fastest first):
 - **loaded**: registered with the engine (llama.cpp holds its tensors), in `LoadedTier`, bounded by
   `EngineOptions.max_loaded` (the server's `--max-loaded`). Making it warm reads its live factors back;
 - **cold**: evicted from the loaded tier, or registered without ever being loaded (`register_cold`: the
-  server's `--lora-dir`); `LoadedTier` keeps its file and loads it, on the engine thread in the same step
-  that queues the request naming it (so it is loaded *and in use* at once). A cold adapter costs its
-  `ColdAdapter` record alone: nothing else in any tier grows with the number of cold adapters.
+  server's `--lora-dir`); `LoadedTier` keeps its file. The request naming it loads it on its own thread
+  (parse, checks, llama.cpp's load, tensor discovery, its warm blocks: `prepare`), and the engine thread
+  only registers the result, in the same step that queues the request (so it is loaded *and in use* at
+  once). A cold adapter costs its `ColdAdapter` record alone: nothing else in any tier grows with the
+  number of cold adapters.
 
 Every tier evicts with `LruPolicy` (least recently used first, among what the tier says may go). The
 warm tier is bounded by bytes (`adapter_cache_bytes`, default `DEFAULT_CACHE_BYTES`); an entry is keyed
@@ -271,6 +273,9 @@ class ColdAdapter:
     source: str
 
 
+Build = Callable[[CheckedAdapter, ColdAdapter], LoRAAdapter]
+
+
 @dataclass
 class _Waiting:
     """A request's submit waiting for room in the loaded tier."""
@@ -284,7 +289,7 @@ class LoadedTier:
     """The loaded tier: the adapters llama.cpp holds, at most `max_loaded` (None: no bound). Engine thread.
 
     `enter(names, build, future)` makes a request's adapters loaded *and in use* in one step: the evicted
-    ones it names are loaded again (their files parsed beforehand, off the engine thread, by `prepare`),
+    ones it names are registered again (loaded beforehand, off the engine thread, by `prepare`),
     the least recently used adapters nothing uses make room, and `build()` queues the request, all in one
     engine-thread command, so no other load can come between this request's residency and its use.
     In use means a request waiting or running on it (`users`). Never evicted: pinned adapters, the
@@ -296,27 +301,34 @@ class LoadedTier:
     """
 
     def __init__(self, model: Model, registry: Registry, max_loaded: int | None, *,
-                 users: Callable[[LoRAAdapter], int], load: Callable[[CheckedAdapter, ColdAdapter], LoRAAdapter],
-                 unload: Callable[[str], None], decoding: Callable[[], bool] = lambda: False) -> None:
-        """`load(checked, cold)` registers a parsed file again (engine thread); `unload(name)` takes an
-        adapter out of the registry (it is freed once nothing uses it); `decoding()`: do sequences run now?
-        While they do, at most one submit that needs a load gets it between two steps (`settle(stepped=True)`
-        starts the next turn): a load costs the engine thread about one decode step (llama.cpp's load and
-        the discovery decode), so eight requests on eight cold adapters arriving together would otherwise
-        stop every running sequence for eight steps at once."""
+                 users: Callable[[LoRAAdapter], int], build: Build, register: Callable[[LoRAAdapter], None],
+                 unload: Callable[[str], None], discard: Callable[[LoRAAdapter], None],
+                 decoding: Callable[[], bool] = lambda: False) -> None:
+        """`build(checked, cold)` loads a parsed file into llama.cpp, unregistered (any thread);
+        `register(adapter)` publishes one (engine thread); `unload(name)` takes an adapter out of the registry
+        (it is freed once nothing uses it); `discard(adapter)` frees one built but never registered (engine
+        thread); `decoding()`: do sequences run now? While they do, at most one submit whose load has to
+        run on the engine thread (its `prepare` found the adapter loaded, then it was evicted) gets it
+        between two steps (`settle(stepped=True)` starts the next turn): such a load costs the engine thread
+        tens of ms, so several arriving together would otherwise stop every running sequence at once."""
         if max_loaded is not None and max_loaded < 1:
             raise ParameterError("max_loaded", f"must be ≥ 1, or None for no bound (got {max_loaded})")
         self.model, self.registry, self.max_loaded = model, registry, max_loaded
-        self._users, self._load, self._unload, self._decoding = users, load, unload, decoding
+        self._users, self._build, self._register, self._unload = users, build, register, unload
+        self._discard, self._decoding = discard, decoding
         self._loaded_this_step = False  # a submit's load ran since the last decode step (one per step)
         self.lru: LruPolicy[str] = LruPolicy()
         self.pinned: set[str] = set()  # set from any thread (one set operation each)
         self.cold: dict[str, ColdAdapter] = {}
-        self._prepared: dict[str, CheckedAdapter] = {}  # parsed cold files, at most one per name
+        # cold adapters loaded off the engine thread, waiting to be registered: at most one per name, each
+        # for a submit on its way (bounded by the queue); the lock is for the submitting threads
+        self._prepared: dict[str, Future[LoRAAdapter]] = {}
+        self._preparing = threading.Lock()
         self.waiting: deque[_Waiting] = deque()
         # peak: the most adapters loaded at once (past max_loaded only by explicit loads while all are in use)
         self.stats = {"reloads": 0, "evictions": 0, "waited": 0, "parsed_on_engine_thread": 0, "peak": 0,
-                      "deferred": 0}  # deferred: submits whose load waited for the next step (one per step)
+                      "deferred": 0,  # deferred: submits whose engine-thread load waited for the next step
+                      "loaded_off_thread": 0}
 
     # -- queries (any thread) ----------------------------------------------------------------------
     def needs_load(self, names: Iterable[str]) -> bool:
@@ -331,21 +343,36 @@ class LoadedTier:
         a = self.registry.adapters.get(name)
         return 0 if a is None else self._users(a)
 
-    def prepare(self, names: Iterable[str]) -> dict[str, CheckedAdapter]:
-        """Parse and check the files of the evicted adapters among `names`, here (not on the engine thread).
-        A file that cannot be used raises its AdapterError, naming the adapter (`name`): this request fails,
-        the adapter stays cold (its file is read again by the next request naming it)."""
-        out: dict[str, CheckedAdapter] = {}
-        try:
-            for n in dict.fromkeys(names):
-                cold = self.cold.get(n)
-                if cold is not None and n not in self._prepared:
-                    out[n] = _parse(self.model, cold)
-        except BaseException:
-            for c in out.values():
-                c.close()
-            raise
-        return out
+    def prepare(self, names: Iterable[str]) -> None:
+        """Load the evicted adapters among `names` here, on the submitting thread: parse and check the file,
+        load it into llama.cpp, find its tensors and make it warm, all off the engine thread, which then
+        only registers it. Submits naming the same cold adapter share one load. A file that cannot be used
+        raises its AdapterError, naming the adapter (`name`): this request fails, the adapter stays cold
+        (its file is read again by the next request naming it)."""
+        for n in dict.fromkeys(names):
+            cold = self.cold.get(n)
+            if cold is None:
+                continue
+            with self._preparing:
+                fut = self._prepared.get(n)
+                mine = fut is None
+                if mine:
+                    fut = self._prepared[n] = Future()
+            assert fut is not None
+            if not mine:
+                fut.result()  # the other submit's load; its error is this request's too
+                continue
+            try:
+                checked = _parse(self.model, cold)
+                try:
+                    fut.set_result(self._build(checked, cold))
+                finally:
+                    checked.close()
+            except BaseException as e:
+                with self._preparing:
+                    self._prepared.pop(n, None)
+                fut.set_exception(e)
+                raise
 
     def register_cold(self, adapters: Iterable[ColdAdapter]) -> int:
         """Know adapters without loading them (engine thread): each is loaded by the first request naming it,
@@ -360,14 +387,12 @@ class LoadedTier:
         return len(self.cold)
 
     # -- the engine thread -------------------------------------------------------------------------
-    def enter(self, names: list[str], prepared: Mapping[str, CheckedAdapter], build: Callable[[], T],
-              future: Future[T], *, wait: bool = True) -> None:
+    def enter(self, names: list[str], build: Callable[[], T], future: Future[T], *, wait: bool = True) -> None:
         """Make `names` loaded and run `build()` (which puts them in use) in this one step, its result
         (or error) into `future`; or, if no room can be made now, wait (`wait=False`: raise
         AdapterCapacityError instead). Loads wait behind loads: first come, first loaded."""
-        self._keep(prepared)
         item = _Waiting(list(names), build, future)  # type: ignore[arg-type]
-        if wait and self.needs_load(names) and (self.waiting or self._load_turn_taken()):
+        if wait and self.needs_load(names) and (self.waiting or self._engine_load_deferred(names)):
             self.waiting.append(item)
             return
         if not self._run(item):
@@ -414,23 +439,31 @@ class LoadedTier:
         `stepped`: a decode step just ran, so the next submit that needs a load may have it."""
         if stepped:
             self._loaded_this_step = False
+            self._drop_stale_prepared()
         if self.max_loaded is not None and len(self.registry.adapters) > self.max_loaded:
             self._trim(keep=set())
         if not self.waiting:
             return
         still: deque[_Waiting] = deque()
         for w in self.waiting:  # loads in order: once one finds no room, later loads wait without looking
-            if (still and self.needs_load(w.names)) or (self.needs_load(w.names) and self._load_turn_taken()) \
-                    or not self._run(w):
+            if (still and self.needs_load(w.names)) or self._engine_load_deferred(w.names) or not self._run(w):
                 still.append(w)
         self.waiting = still
 
-    def _load_turn_taken(self) -> bool:
-        """A load already ran since the last step while sequences decode: this one waits for the next step."""
-        if self._loaded_this_step and self._decoding():
+    def _engine_load_deferred(self, names: Iterable[str]) -> bool:
+        """One of `names` must be loaded on the engine thread (nothing loaded it beforehand) and such a load
+        already ran since the last step while sequences decode: this one waits for the next step."""
+        if self._loaded_this_step and self._decoding() and any(self._ready(n) is None for n in self._cold_of(names)):
             self.stats["deferred"] += 1
             return True
         return False
+
+    def _ready(self, name: str) -> LoRAAdapter | None:
+        """The adapter `prepare` loaded for `name`, if it is done and good."""
+        fut = self._prepared.get(name)
+        if fut is None or not fut.done() or fut.cancelled() or fut.exception() is not None:
+            return None
+        return fut.result()
 
     def close(self, error: Exception) -> None:
         """Fail the submits still waiting with `error` and drop the parsed files."""
@@ -439,6 +472,11 @@ class LoadedTier:
                 w.future.set_exception(error)
         self.waiting.clear()
         for n in list(self._prepared):
+            self._drop_prepared(n)
+
+    def _drop_stale_prepared(self) -> None:
+        """Free what `prepare` loaded for names that are not cold any more (loaded by another path meanwhile)."""
+        for n in [n for n in self._prepared if n not in self.cold]:
             self._drop_prepared(n)
 
     # -- inside ------------------------------------------------------------------------------------
@@ -478,8 +516,7 @@ class LoadedTier:
             for victim in self.lru.victims(cands, need):
                 self._evict(victim)
         for n in cold:
-            self._reload(n)
-        self._loaded_this_step = True
+            self._loaded_this_step |= self._reload(n)
         return True
 
     def _cold_of(self, names: Iterable[str]) -> list[str]:
@@ -516,32 +553,42 @@ class LoadedTier:
         self.stats["evictions"] += 1
         log.info("evicting adapter %s (least recently used, max_loaded=%s)", name, self.max_loaded)
 
-    def _reload(self, name: str) -> None:
+    def _reload(self, name: str) -> bool:
+        """Register `name` again; True when its load had to run here, on the engine thread."""
         cold = self.cold[name]
-        checked = self._prepared.pop(name, None)
-        if checked is None:  # evicted after its submit looked: parse it here, rarely
+        adapter = self._ready(name)
+        here = adapter is None
+        if not here:
+            with self._preparing:
+                self._prepared.pop(name, None)
+            self.stats["loaded_off_thread"] += 1
+        else:  # nothing loaded it beforehand (an evaluation, or evicted after its submit looked): here
             self.stats["parsed_on_engine_thread"] += 1
             checked = _parse(self.model, cold)
+            try:
+                adapter = self._build(checked, cold)
+            finally:
+                checked.close()
         try:
-            self._load(checked, cold)
-        finally:
-            checked.close()
+            self._register(adapter)
+        except BaseException:
+            self._discard(adapter)
+            raise
         del self.cold[name]
         self.lru.touch(name)
         self.stats["reloads"] += 1
         self.stats["peak"] = max(self.stats["peak"], len(self.registry.adapters))
-
-    def _keep(self, prepared: Mapping[str, CheckedAdapter]) -> None:
-        for n, c in prepared.items():
-            if n in self.cold and n not in self._prepared:
-                self._prepared[n] = c
-            else:
-                c.close()
+        return here
 
     def _drop_prepared(self, name: str) -> None:
-        c = self._prepared.pop(name, None)
-        if c is not None:
-            c.close()
+        """Free what `prepare` loaded for `name` (a load still running is left for a later step)."""
+        fut = self._prepared.get(name)
+        if fut is None or not fut.done():
+            return
+        with self._preparing:
+            self._prepared.pop(name, None)
+        if not fut.cancelled() and fut.exception() is None:
+            self._discard(fut.result())
 
 
 def _parse(model: Model, cold: ColdAdapter) -> CheckedAdapter:

@@ -83,6 +83,7 @@ class Engine:
                                          kv_type=opts.kv_type)
         self.n_ctx = n_ctx
         self.ctx = Context(model, self._ctx_opts, callback=self.bank.callback if self.bank else None)
+        self._retired: list[LoRAAdapter] = []  # out of the registry (or never in it), freed once unused
         guard = KvGuard(model, self.bank.callback if self.bank else None, opts.kv_type)
         self.scheduler = Scheduler(model, self.ctx, n_parallel, self.bank, opts.deterministic, guard,
                                    score_rows=opts.score_rows, score_rows_shared=opts.score_rows_shared,
@@ -90,12 +91,12 @@ class Engine:
                                    request_step_every=opts.request_step_every)
         # the loaded tier: which adapters llama.cpp holds, at most max_loaded (residency.py)
         self.loaded = LoadedTier(model, self.registry, opts.max_loaded, users=self.scheduler.users,
-                                 load=lambda checked, cold: self._register(checked, cold.name, cold.source),
-                                 unload=self._retire, decoding=lambda: any(self.scheduler.slots))
+                                 build=lambda checked, cold: self._build(checked, cold.name, cold.source),
+                                 register=self._publish, unload=self._retire, discard=self._retired.append,
+                                 decoding=lambda: any(self.scheduler.slots))
         self.evaluator = Evaluator(model, self._eval_opts, self.registry, self.loaded.use_now,
                                    self.scheduler.guard)  # logits and losses apart from serving
         self.control: ControlSetting | None = None  # default control-vector setting (see control.py)
-        self._retired: list[LoRAAdapter] = []
         self.pushes = PushGate()  # factor pushes waiting for their adapters' earlier requests (versions.py)
         self.commands = CommandQueue()  # how other threads reach the engine thread (commands.py)
         self._thread = threading.Thread(target=self._loop, name="loramux-engine", daemon=True)
@@ -222,13 +223,13 @@ class Engine:
     def _free_retired(self) -> None:
         for a in list(self._retired):
             if not self.scheduler.uses(a):
-                self._retired.remove(a)
                 for c in (self.ctx, self.evaluator.ctx):
                     if c is not None and c.handle.uses_adapter(a.handle):
                         c.handle.set_adapters([], [])
                 if self.bank is not None:
                     self.bank.forget(a)
-                a.close()
+                if a.close(wait=False):  # an adapter load on another thread holds llama.cpp's set: next step
+                    self._retired.remove(a)
 
     # ------------------------------------------------------------------ adapters
     def load_lora(self, source: str | os.PathLike[str], name: str | None = None, *,
@@ -251,36 +252,52 @@ class Engine:
                         "may still depend on their batch; reinstall with CMAKE_ARGS=\"-DGGML_LLAMAFILE=OFF\" "
                         "pip install --force-reinstall --no-cache-dir llama-cpp-python==%s", N.PINNED_VERSION)
 
-        # Parsing and checking the file happen here, on the caller's thread: only llama.cpp's load and
-        # the tensor discovery run on the engine thread, so a load stalls decoding as little as it can.
+        # The whole load happens here, on the caller's thread (parse, checks, llama.cpp's load, the tensor
+        # discovery, the warm blocks): the engine thread only publishes it, so decoding never waits for it.
         try:
             checked = CheckedAdapter(self.model, path)
         except AdapterError as e:
             e.name = name
             raise
+        try:
+            adapter = self._build(checked, name, src)
+        finally:
+            checked.close()
 
         def commit() -> LoRAAdapter:
             self.loaded.check_room(name)
-            adapter = self._register(checked, name, src, scale)
+            self._publish(adapter, scale)
             self.loaded.loaded(adapter, pin)
             return adapter
         try:
             return self.call(commit)
-        finally:
-            checked.close()  # already closed by the load; this covers a commit that never ran
+        except BaseException:
+            if self.registry.adapters.get(name) is not adapter:
+                adapter.close()  # refused (or the engine closed): never published, nothing uses it
+            raise
 
-    def _register(self, checked: CheckedAdapter, name: str, source: str, scale: float | None = None) -> LoRAAdapter:
-        """Load a checked file into llama.cpp and publish it under `name` (engine thread)."""
+    def _build(self, checked: CheckedAdapter, name: str, source: str) -> LoRAAdapter:
+        """Load a checked file into llama.cpp, unpublished, and make it warm from the parse (any thread)."""
         try:
             adapter = LoRAAdapter(self.model, checked, name, self.call_between_decodes, source=source)
         except AdapterError as e:
             e.name = name
             raise
+        # its slot blocks and KV-guard gains from the factors just parsed (the live ones are the same
+        # bytes): reading them back later would cost the engine thread ~20 ms each
+        if self.bank is not None:
+            with contextlib.suppress(AdapterError):  # cannot go into a slot: its slot write says why, later
+                self.bank.warm_from_file(adapter, checked.factors)
+        if self.scheduler.guard is not None:
+            self.scheduler.guard.gains(adapter, checked.factors)
+        return adapter
+
+    def _publish(self, adapter: LoRAAdapter, scale: float | None = None) -> None:
+        """Publish a built adapter under its name, retiring the one it replaces (engine thread)."""
         old = self.registry.commit_add(adapter, scale)
         if old is not None:
             self._retired.append(old)
             self._free_retired()
-        return adapter
 
     def _retire(self, name: str) -> None:
         """Take an adapter out of the registry; it is freed once no request uses it (engine thread)."""
@@ -463,15 +480,10 @@ class Engine:
         names = requested_names(loras, self.registry.active)
         fut: Future[Request] = Future()
         if self.commands.on_thread():
-            self.loaded.enter(names, {}, build, fut, wait=False)
+            self.loaded.enter(names, build, fut, wait=False)
             return fut
-        prepared = self.loaded.prepare(names)  # parsing stays off the engine thread
-        try:
-            cmd = self.call_async(lambda: self.loaded.enter(names, prepared, build, fut))
-        except BaseException:
-            for c in prepared.values():
-                c.close()
-            raise
+        self.loaded.prepare(names)  # cold adapters are loaded here, off the engine thread
+        cmd = self.call_async(lambda: self.loaded.enter(names, build, fut))
         cmd.add_done_callback(lambda f: pass_failure(f, fut))
         return fut
 

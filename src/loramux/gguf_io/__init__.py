@@ -47,7 +47,8 @@ __all__ = [
     "ADAPTER_MAX_HEADER", "DEFAULT_ALIGNMENT", "DEFAULT_MAX_HEADER", "GGML_BLOCKS", "GGUF_MAGIC",
     "LORA_A", "LORA_B", "VALUE_ARRAY", "VALUE_FLOAT32", "VALUE_FORMATS", "VALUE_NAMES", "VALUE_STRING",
     "VALUE_UINT32", "AdapterFileInfo", "GGUFFormatError", "GGUFHeader", "PinnedFile", "TensorInfo",
-    "atomic_path", "format_error", "read_adapter_factors", "read_control_vector", "read_float_tensor",
+    "atomic_path", "format_error", "read_adapter_factors", "read_adapter_header", "read_control_vector",
+    "read_float_tensor",
     "read_header", "sha256_file", "tensor_nbytes", "validate_adapter", "write_adapter", "write_control_vector",
 ]
 
@@ -85,18 +86,10 @@ class AdapterFileInfo:
     shapes: Mapping[str, tuple[tuple[int, int], tuple[int, int]]]  # name -> (A shape, B shape)
 
 
-def validate_adapter(path: str | os.PathLike[str], base_arch: str | None = None,
-                     base_shapes: Mapping[str, tuple[int, ...]] | None = None, *,
-                     check_values: bool = False, fd: int | None = None) -> AdapterFileInfo:
-    """Check an adapter GGUF against a base model and return what it declares.
+def read_adapter_header(path: str | os.PathLike[str], fd: int | None = None) -> GGUFHeader:
+    """An adapter GGUF's header through the bounded reader (from `fd` if given); AdapterError if unreadable.
 
-    Raises one AdapterError listing every problem found: an unreadable or implausible header (the
-    bounded reader's checks, see `gguf_io.header`), not a LoRA, another architecture, metadata of a
-    type llama.cpp would abort on, a non-finite `adapter.lora.alpha`, unpaired or non-float factors,
-    targets missing from the base, incompatible shapes, and (with `check_values`) NaN/Inf factors.
-    The error's `field` names the first bad field and `fields` all of them. With `fd` (see
-    PinnedFile) everything is read from that open descriptor and `path` only names the file.
-    """
+    Pass it to `validate_adapter` and `read_adapter_factors` to read the file's header once for both."""
     p = Path(path)
     if fd is None and not p.exists():
         raise AdapterError(str(p), "file not found", hint="check the path (relative paths are resolved "
@@ -104,10 +97,28 @@ def validate_adapter(path: str | os.PathLike[str], base_arch: str | None = None,
     if fd is None and not p.is_file():
         raise AdapterError(str(p), "not a regular file")
     try:
-        h = read_header(p, fd=fd, max_header=ADAPTER_MAX_HEADER)
+        return read_header(p, fd=fd, max_header=ADAPTER_MAX_HEADER)
     except GGUFFormatError as e:
         raise _adapter_error(p, e.message.removeprefix(f"{e.path}: "), [(e.field or "header", "")],
                              hint=e.hint) from e
+
+
+def validate_adapter(path: str | os.PathLike[str], base_arch: str | None = None,
+                     base_shapes: Mapping[str, tuple[int, ...]] | None = None, *,
+                     check_values: bool = False, fd: int | None = None,
+                     header: GGUFHeader | None = None) -> AdapterFileInfo:
+    """Check an adapter GGUF against a base model and return what it declares.
+
+    Raises one AdapterError listing every problem found: an unreadable or implausible header (the
+    bounded reader's checks, see `gguf_io.header`), not a LoRA, another architecture, metadata of a
+    type llama.cpp would abort on, a non-finite `adapter.lora.alpha`, unpaired or non-float factors,
+    targets missing from the base, incompatible shapes, and (with `check_values`) NaN/Inf factors.
+    The error's `field` names the first bad field and `fields` all of them. With `fd` (see
+    PinnedFile) everything is read from that open descriptor and `path` only names the file; with
+    `header` (`read_adapter_header`'s) it is not read again.
+    """
+    p = Path(path)
+    h = header if header is not None else read_adapter_header(p, fd)
     problems = _adapter_header_problems(h, base_arch)
     shapes, targets, dtypes = {}, [], []
     for name, info in h.tensors.items():
@@ -257,10 +268,11 @@ def _pair_problems(base: str, a: TensorInfo, b: TensorInfo,
     return out
 
 
-def read_adapter_factors(path: str | os.PathLike[str], *,
-                         fd: int | None = None) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """All factors of an adapter GGUF as float32 (A (r, in), B (out, r)), in file order (from `fd` if given)."""
-    h = read_header(path, fd=fd, max_header=ADAPTER_MAX_HEADER)
+def read_adapter_factors(path: str | os.PathLike[str], *, fd: int | None = None,
+                         header: GGUFHeader | None = None) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """All factors of an adapter GGUF as float32 (A (r, in), B (out, r)), in file order (from `fd` if given;
+    `header`: its header, read already)."""
+    h = header if header is not None else read_header(path, fd=fd, max_header=ADAPTER_MAX_HEADER)
     out = {}
     for name in h.tensors:
         if name.endswith(LORA_A):
