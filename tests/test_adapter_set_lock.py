@@ -1,0 +1,110 @@
+"""llama.cpp's model-wide adapter set (`llama_model::loras`) is touched by an adapter load, a free and a
+context's graph reserve; `_native` serializes exactly those, so loads may run on any thread while the
+engine thread decodes. Real llama.cpp on the suite's tiny model; the load is held inside
+`llama_adapter_lora_init` (the binding's own function, wrapped) to see what waits for it."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import llama_cpp.llama_cpp as C
+import pytest
+from conftest import PROMPT
+
+from loramux import _native as N
+from loramux.engine.adapters import LoRAAdapter
+from loramux.engine.model import Context, ContextOptions
+
+
+@contextmanager
+def load_held(monkeypatch: pytest.MonkeyPatch, model: N.ModelHandle, path: str) -> Iterator[list[N.AdapterHandle]]:
+    """An adapter load on another thread, held inside llama_adapter_lora_init until the block ends."""
+    inside, gate, out = threading.Event(), threading.Event(), []
+    real = C.llama_adapter_lora_init
+
+    def held(*a: object) -> object:
+        inside.set()
+        assert gate.wait(60)
+        return real(*a)
+    monkeypatch.setattr(C, "llama_adapter_lora_init", held)
+    t = threading.Thread(target=lambda: out.append(N.AdapterHandle.load(model, path)))
+    t.start()
+    assert inside.wait(60)
+    try:
+        yield out
+    finally:
+        gate.set()
+        t.join(60)
+        monkeypatch.setattr(C, "llama_adapter_lora_init", real)
+
+
+def _finish_order(fn, release_after: float = 0.3) -> list[str]:  # noqa: ANN001
+    """Run fn on a thread for up to `release_after` s: ['done', 'released'] if it finished by then."""
+    order: list[str] = []
+    t = threading.Thread(target=lambda: (fn(), order.append("done")))
+    t.start()
+    t.join(release_after)
+    order.append("released")
+    t.join(60)
+    return order
+
+
+def test_a_free_and_a_context_creation_wait_for_a_load_on_another_thread(engine, tiny_dir, monkeypatch):
+    other = engine.call(lambda: LoRAAdapter(engine.model, tiny_dir / "b.gguf", "other"))
+    loaded: list[N.AdapterHandle] = []
+    try:
+        _free_and_create_wait(engine, other, monkeypatch, tiny_dir, loaded)
+    finally:
+        other.close()
+        for h in loaded:
+            h.close()
+
+
+def _free_and_create_wait(engine, other, monkeypatch, tiny_dir, loaded) -> None:  # noqa: ANN001
+    with load_held(monkeypatch, engine.model.handle, str(tiny_dir / "a.gguf")) as out:
+        assert other.close(wait=False) is False  # the engine thread's try: the load holds the set
+        assert not other.handle.closed
+        made: list[Context] = []
+        t = threading.Thread(target=lambda: made.append(Context(engine.model, ContextOptions(n_ctx=64, n_batch=8))))
+        t.start()
+        t.join(0.3)
+        assert not made, "a context was created while a load held the model's adapter set"
+    t.join(60)
+    loaded += out
+    assert made and loaded
+    made[0].close()
+    assert other.close(wait=False) is True and other.handle.closed
+
+
+def test_only_a_decode_that_re_reserves_waits_for_a_load(engine, tiny_dir, monkeypatch):
+    """The first decode after an adapter-set change re-reserves the graph (reads the model's set): it waits
+    for a load in progress; a decode on an unchanged set does not."""
+    a = engine.call(lambda: LoRAAdapter(engine.model, tiny_dir / "a.gguf", "a"))
+    ctx = Context(engine.model, ContextOptions(n_ctx=64, n_batch=8))
+    toks = engine.tokenize(PROMPT)
+    loaded: list[N.AdapterHandle] = []
+    try:
+        ctx.prefill(0, toks)
+        with load_held(monkeypatch, engine.model.handle, str(tiny_dir / "b.gguf")) as out:
+            steady = _finish_order(lambda: (ctx.handle.memory_clear(), ctx.prefill(0, toks)))
+            ctx.handle.set_adapters([a.handle], [1.0])
+            started = time.monotonic()
+            changed_order: list[str] = []
+            t = threading.Thread(target=lambda: (ctx.handle.memory_clear(), ctx.prefill(0, toks),
+                                                 changed_order.append("done")))
+            t.start()
+            t.join(0.3)
+            changed_order.append("released")
+        t.join(60)
+        loaded += out
+        assert steady == ["done", "released"]
+        assert changed_order == ["released", "done"], "the re-reserving decode ran while a load held the set"
+        assert time.monotonic() - started >= 0.3 and loaded
+    finally:
+        ctx.close()
+        engine.call(a.close)
+        for h in loaded:
+            h.close()
