@@ -20,9 +20,11 @@ from loramux.engine.model import Context, ContextOptions
 
 
 @contextmanager
-def load_held(monkeypatch: pytest.MonkeyPatch, model: N.ModelHandle, path: str) -> Iterator[list[N.AdapterHandle]]:
-    """An adapter load on another thread, held inside llama_adapter_lora_init until the block ends."""
-    inside, gate, out = threading.Event(), threading.Event(), []
+def load_held(monkeypatch: pytest.MonkeyPatch, model: N.ModelHandle, path: str,
+              out: list[N.AdapterHandle]) -> Iterator[None]:
+    """An adapter load on another thread, held inside llama_adapter_lora_init until the block ends; its
+    handle goes into `out` (the caller closes it, whatever happened)."""
+    inside, gate = threading.Event(), threading.Event()
     real = C.llama_adapter_lora_init
 
     def held(*a: object) -> object:
@@ -34,7 +36,7 @@ def load_held(monkeypatch: pytest.MonkeyPatch, model: N.ModelHandle, path: str) 
     t.start()
     assert inside.wait(60)
     try:
-        yield out
+        yield
     finally:
         gate.set()
         t.join(60)
@@ -55,28 +57,25 @@ def _finish_order(fn, release_after: float = 0.3) -> list[str]:  # noqa: ANN001
 def test_a_free_and_a_context_creation_wait_for_a_load_on_another_thread(engine, tiny_dir, monkeypatch):
     other = engine.call(lambda: LoRAAdapter(engine.model, tiny_dir / "b.gguf", "other"))
     loaded: list[N.AdapterHandle] = []
+    made: list[Context] = []
     try:
-        _free_and_create_wait(engine, other, monkeypatch, tiny_dir, loaded)
+        with load_held(monkeypatch, engine.model.handle, str(tiny_dir / "a.gguf"), loaded):
+            assert other.close(wait=False) is False  # the engine thread's try: the load holds the set
+            assert not other.handle.closed
+            t = threading.Thread(target=lambda: made.append(Context(engine.model, ContextOptions(n_ctx=64, n_batch=8))))
+            t.start()
+            t.join(0.3)
+            assert not made, "a context was created while a load held the model's adapter set"
+        t.join(60)
+        assert made and loaded
+        assert other.close(wait=False) is True and other.handle.closed
     finally:
+        t.join(60)
+        for c in made:
+            c.close()
         other.close()
         for h in loaded:
             h.close()
-
-
-def _free_and_create_wait(engine, other, monkeypatch, tiny_dir, loaded) -> None:  # noqa: ANN001
-    with load_held(monkeypatch, engine.model.handle, str(tiny_dir / "a.gguf")) as out:
-        assert other.close(wait=False) is False  # the engine thread's try: the load holds the set
-        assert not other.handle.closed
-        made: list[Context] = []
-        t = threading.Thread(target=lambda: made.append(Context(engine.model, ContextOptions(n_ctx=64, n_batch=8))))
-        t.start()
-        t.join(0.3)
-        assert not made, "a context was created while a load held the model's adapter set"
-    t.join(60)
-    loaded += out
-    assert made and loaded
-    made[0].close()
-    assert other.close(wait=False) is True and other.handle.closed
 
 
 def test_only_a_decode_that_re_reserves_waits_for_a_load(engine, tiny_dir, monkeypatch):
@@ -88,7 +87,7 @@ def test_only_a_decode_that_re_reserves_waits_for_a_load(engine, tiny_dir, monke
     loaded: list[N.AdapterHandle] = []
     try:
         ctx.prefill(0, toks)
-        with load_held(monkeypatch, engine.model.handle, str(tiny_dir / "b.gguf")) as out:
+        with load_held(monkeypatch, engine.model.handle, str(tiny_dir / "b.gguf"), loaded):
             steady = _finish_order(lambda: (ctx.handle.memory_clear(), ctx.prefill(0, toks)))
             ctx.handle.set_adapters([a.handle], [1.0])
             started = time.monotonic()
@@ -99,7 +98,6 @@ def test_only_a_decode_that_re_reserves_waits_for_a_load(engine, tiny_dir, monke
             t.join(0.3)
             changed_order.append("released")
         t.join(60)
-        loaded += out
         assert steady == ["done", "released"]
         assert changed_order == ["released", "done"], "the re-reserving decode ran while a load held the set"
         assert time.monotonic() - started >= 0.3 and loaded
