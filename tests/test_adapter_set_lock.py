@@ -58,11 +58,11 @@ def test_a_free_and_a_context_creation_wait_for_a_load_on_another_thread(engine,
     other = engine.call(lambda: LoRAAdapter(engine.model, tiny_dir / "b.gguf", "other"))
     loaded: list[N.AdapterHandle] = []
     made: list[Context] = []
+    t = threading.Thread(target=lambda: made.append(Context(engine.model, ContextOptions(n_ctx=64, n_batch=8))))
     try:
         with load_held(monkeypatch, engine.model.handle, str(tiny_dir / "a.gguf"), loaded):
             assert other.close(wait=False) is False  # the engine thread's try: the load holds the set
             assert not other.handle.closed
-            t = threading.Thread(target=lambda: made.append(Context(engine.model, ContextOptions(n_ctx=64, n_batch=8))))
             t.start()
             t.join(0.3)
             assert not made, "a context was created while a load held the model's adapter set"
@@ -70,7 +70,8 @@ def test_a_free_and_a_context_creation_wait_for_a_load_on_another_thread(engine,
         assert made and loaded
         assert other.close(wait=False) is True and other.handle.closed
     finally:
-        t.join(60)
+        if t.is_alive():
+            t.join(60)
         for c in made:
             c.close()
         other.close()
