@@ -12,6 +12,7 @@ from tinymodel import random_factors
 
 import loramux as lm
 from loramux import _native as N
+from loramux.engine.adapters import LoRAAdapter
 from loramux.engine.residency import Prefetcher, SlotBlocks, WarmCache
 from loramux.errors import ParameterError
 from loramux.gguf_io import write_adapter
@@ -268,3 +269,22 @@ def test_a_request_waits_for_a_slot_at_most_the_stated_number_of_steps(tiny_mode
     assert max(waits) <= SLOT_WAIT_STEPS + hold, (waits, hold)  # here: 41 ≤ 32 + 10
     assert len(waits) >= 3 and max(waits) > 0  # C, D and E did wait: the bank was contended
     assert reported == max(waits)
+
+
+def test_a_load_leaves_nothing_to_read_back_on_the_engine_thread(three_ranks, tmp_path, monkeypatch):
+    """A loaded adapter is warm and its KV-guard gains are known, both from the file just parsed, so its
+    first use reads none of its live factors back (those reads would run on the engine thread)."""
+    eng = three_ranks
+    reads: list[str] = []
+    real = LoRAAdapter._read
+    monkeypatch.setattr(LoRAAdapter, "_read", lambda self, f: (reads.append(self.name), real(self, f))[1])
+    path = write_adapter(tmp_path / "fresh.gguf", "llama", random_factors(rank=4, seed=9, scale=0.4), 4.0)
+    a = eng.load_lora(path, "fresh")
+    assert eng.bank.warm.has(a)
+    reads.clear()  # discovery's self-check reads a few targets back, on the loading thread
+    eng.scheduler.guard.gains(a)
+    got = eng.call(lambda: (eng.bank.take_slot(a), _slot_contents(eng.bank, 0), eng.bank.return_slot(0))[1])
+    assert reads == []
+    want = _expected(eng.bank, a)  # from the live factors
+    for t in eng.bank.targets:
+        assert np.array_equal(got[t][0], want[t][0]) and np.array_equal(got[t][1], want[t][1]), t
