@@ -254,14 +254,15 @@ def test_loads_arriving_together_are_loaded_on_their_own_threads(tiny_model, col
         eng.call(lambda: eng.loaded.register_cold(ColdAdapter(n, cold_dir / f"{n}.gguf", n) for n in names))
         threads: list[str] = []
         real = eng.loaded._build
-        eng.loaded._build = lambda checked, cold: (threads.append(threading.current_thread().name),
-                                                   real(checked, cold))[1]
+        eng.loaded._build = lambda cold: (threads.append(threading.current_thread().name), real(cold))[1]
         long = eng.submit_async(PROMPT, loras={"p": 1.0}, max_tokens=120, ignore_eos=True).result()
         _until(lambda: eng.scheduler.stats.decode_steps >= 2)
         gate = threading.Event()
         eng.call_async(gate.wait)  # hold the engine while the three submits queue behind it
-        futs = [eng.submit_async(PROMPT, loras={n: 1.0}, max_tokens=4) for n in names]  # loaded here, queued
-        gate.set()
+        try:
+            futs = [eng.submit_async(PROMPT, loras={n: 1.0}, max_tokens=4) for n in names]  # loaded here, queued
+        finally:
+            gate.set()
         done = [lm.TextStream(f.result()).consume() for f in futs]
         lm.TextStream(long).consume()
         assert [len(c.tokens) for c in done] == [4, 4, 4]
@@ -282,13 +283,15 @@ def test_loads_left_to_the_engine_thread_take_one_decode_step_each(tiny_model, c
         eng.loaded.prepare = lambda names: None  # every load is then the engine thread's
         at: list[int] = []
         real = eng.loaded._build
-        eng.loaded._build = lambda checked, cold: (at.append(eng.scheduler.stats.decode_steps), real(checked, cold))[1]
+        eng.loaded._build = lambda cold: (at.append(eng.scheduler.stats.decode_steps), real(cold))[1]
         long = eng.submit_async(PROMPT, loras={"p": 1.0}, max_tokens=120, ignore_eos=True).result()
         _until(lambda: eng.scheduler.stats.decode_steps >= 2)
         gate = threading.Event()
         eng.call_async(gate.wait)  # hold the engine while the three submits queue behind it
-        futs = [eng.submit_async(PROMPT, loras={n: 1.0}, max_tokens=4) for n in names]
-        gate.set()
+        try:
+            futs = [eng.submit_async(PROMPT, loras={n: 1.0}, max_tokens=4) for n in names]
+        finally:
+            gate.set()
         done = [lm.TextStream(f.result()).consume() for f in futs]
         lm.TextStream(long).consume()
         assert [len(c.tokens) for c in done] == [4, 4, 4]

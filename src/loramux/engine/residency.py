@@ -9,7 +9,8 @@ An adapter a request names lives in one of these tiers (fastest first):
   in the bank's dtype, already checked (finite, within the delta bound). Writing them into a slot
   is a plain copy into the bank's host memory, no parsing, no reading back, no checks;
 - **loaded**: registered with the engine (llama.cpp holds its tensors), in `LoadedTier`, bounded by
-  `EngineOptions.max_loaded` (the server's `--max-loaded`). Making it warm reads its live factors back;
+  `EngineOptions.max_loaded` (the server's `--max-loaded`). A load makes it warm from its parsed file;
+  making it warm again later reads its live factors back;
 - **cold**: evicted from the loaded tier, or registered without ever being loaded (`register_cold`: the
   server's `--lora-dir`); `LoadedTier` keeps its file. The request naming it loads it on its own thread
   (parse, checks, llama.cpp's load, tensor discovery, its warm blocks: `prepare`), and the engine thread
@@ -39,8 +40,8 @@ from typing import Generic, TypeVar
 
 import numpy as np
 
-from ..errors import AdapterCapacityError, AdapterError, ParameterError
-from .adapters import CheckedAdapter, LoRAAdapter
+from ..errors import AdapterCapacityError, ParameterError
+from .adapters import LoRAAdapter
 from .model import Model
 from .options import DEFAULT_ADAPTER_CACHE_BYTES
 from .registry import Registry
@@ -273,7 +274,7 @@ class ColdAdapter:
     source: str
 
 
-Build = Callable[[CheckedAdapter, ColdAdapter], LoRAAdapter]
+Build = Callable[["ColdAdapter"], LoRAAdapter]
 
 
 @dataclass
@@ -304,13 +305,11 @@ class LoadedTier:
                  users: Callable[[LoRAAdapter], int], build: Build, register: Callable[[LoRAAdapter], None],
                  unload: Callable[[str], None], discard: Callable[[LoRAAdapter], None],
                  decoding: Callable[[], bool] = lambda: False) -> None:
-        """`build(checked, cold)` loads a parsed file into llama.cpp, unregistered (any thread);
-        `register(adapter)` publishes one (engine thread); `unload(name)` takes an adapter out of the registry
-        (it is freed once nothing uses it); `discard(adapter)` frees one built but never registered (engine
-        thread); `decoding()`: do sequences run now? While they do, at most one submit whose load has to
-        run on the engine thread (its `prepare` found the adapter loaded, then it was evicted) gets it
-        between two steps (`settle(stepped=True)` starts the next turn): such a load costs the engine thread
-        tens of ms, so several arriving together would otherwise stop every running sequence at once."""
+        """`build(cold)` parses, checks and loads a file into llama.cpp, unregistered (any thread); `register`
+        publishes one and `discard` frees one never registered (engine thread); `unload(name)` takes one out
+        of the registry (freed once unused); `decoding()`: do sequences run now? While they do, at most one
+        submit whose load must run on the engine thread gets it between two steps (`settle(stepped=True)`
+        starts the next turn): such a load costs tens of ms, several at once would stop every sequence."""
         if max_loaded is not None and max_loaded < 1:
             raise ParameterError("max_loaded", f"must be ≥ 1, or None for no bound (got {max_loaded})")
         self.model, self.registry, self.max_loaded = model, registry, max_loaded
@@ -354,20 +353,14 @@ class LoadedTier:
             if cold is None:
                 continue
             with self._preparing:
-                fut = self._prepared.get(n)
-                mine = fut is None
-                if mine:
+                fut, mine = self._prepared.get(n), n not in self._prepared
+                if fut is None:
                     fut = self._prepared[n] = Future()
-            assert fut is not None
             if not mine:
                 fut.result()  # the other submit's load; its error is this request's too
                 continue
             try:
-                checked = _parse(self.model, cold)
-                try:
-                    fut.set_result(self._build(checked, cold))
-                finally:
-                    checked.close()
+                fut.set_result(self._build(cold))
             except BaseException as e:
                 with self._preparing:
                     self._prepared.pop(n, None)
@@ -458,8 +451,7 @@ class LoadedTier:
             return True
         return False
 
-    def _ready(self, name: str) -> LoRAAdapter | None:
-        """The adapter `prepare` loaded for `name`, if it is done and good."""
+    def _ready(self, name: str) -> LoRAAdapter | None:  # what `prepare` loaded for `name`, done and good
         fut = self._prepared.get(name)
         if fut is None or not fut.done() or fut.cancelled() or fut.exception() is not None:
             return None
@@ -564,11 +556,7 @@ class LoadedTier:
             self.stats["loaded_off_thread"] += 1
         else:  # nothing loaded it beforehand (an evaluation, or evicted after its submit looked): here
             self.stats["parsed_on_engine_thread"] += 1
-            checked = _parse(self.model, cold)
-            try:
-                adapter = self._build(checked, cold)
-            finally:
-                checked.close()
+            adapter = self._build(cold)
         try:
             self._register(adapter)
         except BaseException:
@@ -589,15 +577,6 @@ class LoadedTier:
             self._prepared.pop(name, None)
         if not fut.cancelled() and fut.exception() is None:
             self._discard(fut.result())
-
-
-def _parse(model: Model, cold: ColdAdapter) -> CheckedAdapter:
-    """A cold adapter's file, parsed and checked; its AdapterError names the adapter."""
-    try:
-        return CheckedAdapter(model, cold.path)
-    except AdapterError as e:
-        e.name = cold.name
-        raise
 
 
 __all__ = ["DEFAULT_CACHE_BYTES", "PREFETCH_QUEUE_MAX", "ColdAdapter", "LoadedTier", "LruPolicy", "Prefetcher", "SlotBlocks",

@@ -91,7 +91,7 @@ class Engine:
                                    request_step_every=opts.request_step_every)
         # the loaded tier: which adapters llama.cpp holds, at most max_loaded (residency.py)
         self.loaded = LoadedTier(model, self.registry, opts.max_loaded, users=self.scheduler.users,
-                                 build=lambda checked, cold: self._build(checked, cold.name, cold.source),
+                                 build=lambda cold: self._build(cold.path, cold.name, cold.source),
                                  register=self._publish, unload=self._retire, discard=self._retired.append,
                                  decoding=lambda: any(self.scheduler.slots))
         self.evaluator = Evaluator(model, self._eval_opts, self.registry, self.loaded.use_now,
@@ -252,17 +252,7 @@ class Engine:
                         "may still depend on their batch; reinstall with CMAKE_ARGS=\"-DGGML_LLAMAFILE=OFF\" "
                         "pip install --force-reinstall --no-cache-dir llama-cpp-python==%s", N.PINNED_VERSION)
 
-        # The whole load happens here, on the caller's thread (parse, checks, llama.cpp's load, the tensor
-        # discovery, the warm blocks): the engine thread only publishes it, so decoding never waits for it.
-        try:
-            checked = CheckedAdapter(self.model, path)
-        except AdapterError as e:
-            e.name = name
-            raise
-        try:
-            adapter = self._build(checked, name, src)
-        finally:
-            checked.close()
+        adapter = self._build(path, name, src)  # all of the load, here: the engine thread only publishes it
 
         def commit() -> LoRAAdapter:
             self.loaded.check_room(name)
@@ -276,15 +266,18 @@ class Engine:
                 adapter.close()  # refused (or the engine closed): never published, nothing uses it
             raise
 
-    def _build(self, checked: CheckedAdapter, name: str, source: str) -> LoRAAdapter:
-        """Load a checked file into llama.cpp, unpublished, and make it warm from the parse (any thread)."""
+    def _build(self, path: Path, name: str, source: str) -> LoRAAdapter:
+        """Parse, check and load a file into llama.cpp, unpublished, warm from the parse (any thread)."""
         try:
-            adapter = LoRAAdapter(self.model, checked, name, self.call_between_decodes, source=source)
+            checked = CheckedAdapter(self.model, path)
+            try:
+                adapter = LoRAAdapter(self.model, checked, name, self.call_between_decodes, source=source)
+            finally:
+                checked.close()
         except AdapterError as e:
             e.name = name
             raise
-        # its slot blocks and KV-guard gains from the factors just parsed (the live ones are the same
-        # bytes): reading them back later would cost the engine thread ~20 ms each
+        # slot blocks and KV-guard gains from the factors just parsed (the live ones are the same bytes)
         if self.bank is not None:
             with contextlib.suppress(AdapterError):  # cannot go into a slot: its slot write says why, later
                 self.bank.warm_from_file(adapter, checked.factors)
@@ -294,8 +287,7 @@ class Engine:
 
     def _publish(self, adapter: LoRAAdapter, scale: float | None = None) -> None:
         """Publish a built adapter under its name, retiring the one it replaces (engine thread)."""
-        old = self.registry.commit_add(adapter, scale)
-        if old is not None:
+        if (old := self.registry.commit_add(adapter, scale)) is not None:
             self._retired.append(old)
             self._free_retired()
 
@@ -448,8 +440,8 @@ class Engine:
                      versions: Mapping[str, int] | None = None, party: object | None = None,
                      **sampling: Any) -> Future[Request]:
         """`submit`, returning at once a Future of the queued Request. Its adapters become loaded and in use
-        in one engine-thread step (residency.LoadedTier): an evicted one is parsed again here, on the
-        caller's thread, and loaded there; while no room can be made under `max_loaded` the Future waits
+        in one engine-thread step (residency.LoadedTier): an evicted one is loaded again here, on the
+        caller's thread, and only registered there; while no room can be made under `max_loaded` the Future waits
         (cancelling it withdraws the request). On the engine thread itself it never waits:
         AdapterCapacityError instead."""
         params = SamplingParams(**sampling).validate()
