@@ -10,8 +10,9 @@ sequences already decoding) and cold loads done; for each R, start time minus th
 over R (registration per adapter), an in-process `scan` of the directory, and /v1/models and /metrics
 response sizes and latencies.
 
-Target: ≥ 0.9× the one-adapter throughput at 1,000 registered; decode gap ≤ 1 ms beyond the one-adapter
-server's.
+Also, by default, 8 adapters loaded with `--lora` under the same Zipf traffic (each in its own slot: the
+slot bank's own cost, apart from any cold load). Target: ≥ 0.9× the one-adapter throughput at 1,000
+registered; decode gap ≤ 1 ms beyond the one-adapter server's.
 
     python benchmarks/cold_adapters.py --requests 32 --tokens 16 --repeats 3
 """
@@ -29,23 +30,12 @@ from typing import Any
 
 import httpx
 from _common import common_args, dump_json, machine_info, model_path, print_machine, print_table
-from many_adapters import adapter_sequence, rss_mb, run_cell, write_adapters
+from many_adapters import adapter_sequence, link_dir, rss_mb, run_cell, write_adapters
 from serve import Server
 
 from loramux.server.lora_dirs import scan
 
 MAX_LOADED = 64
-
-
-def link_dir(work: Path, one: str, n: int) -> Path:
-    """A directory of n hard links to one adapter file, named a0.gguf … a{n-1}.gguf."""
-    d = work / f"reg{n}"
-    d.mkdir(exist_ok=True)
-    for k in range(n):
-        p = d / f"a{k}.gguf"
-        if not p.exists():
-            os.link(one, p)
-    return d
 
 
 def metric(srv: Server, name: str) -> float:
@@ -90,9 +80,10 @@ def bench(label: str, argv: list[str], n_adapters: int, args: argparse.Namespace
 
 
 def profile_load(model: Path, path: str, threads: int, repeats: int) -> list[list[str]]:
-    """In one process: where a cold load's time goes, per part (median ms of `repeats`): the parse and checks
-    (off the engine thread), llama.cpp's adapter load, the discovery decode (both on the engine thread, as
-    `LoRAAdapter` does them), and the free at eviction; against one decode step of 8 sequences."""
+    """In one process: where a cold load's time goes, per part (median ms of `repeats`): the parse and checks,
+    llama.cpp's adapter load, the tensor discovery (a graph built on a context of its own), all on the
+    loading thread as `LoRAAdapter` does them, and the free at eviction; against one decode step of 8
+    sequences."""
     from loramux import _native as N
     from loramux.engine.adapters import CheckedAdapter, LoRAAdapter
     from loramux.engine.runtime import Engine
@@ -138,6 +129,9 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=32, help="requests per run (default 32)")
     ap.add_argument("--tokens", type=int, default=16, help="generated tokens per request (default 16)")
     ap.add_argument("--rank", type=int, default=8, help="adapter rank (default 8)")
+    ap.add_argument("--loaded-reference", type=int, default=8,
+                    help="also a server with this many adapters loaded with --lora and Zipf over them, every one "
+                         "in a slot: the slot bank's own cost, apart from cold loads (0: none; default 8)")
     ap.add_argument("--profile-load", action="store_true",
                     help="only time the parts of one cold load in process (parse, llama.cpp load, discovery, free)")
     args = ap.parse_args()
@@ -157,6 +151,11 @@ def main() -> None:
     common = [sys.executable, "-m", "loramux", "serve", str(model), "--n-ctx", "512", "--threads",
               str(args.threads), "--parallel", str(args.parallel), "--public-metrics"]
     res: dict[str, Any] = {"1": bench("1 adapter", [*common, "--lora", f"a0={one}"], 1, args)}
+    if args.loaded_reference:  # every adapter loaded and in a slot: what the slot bank alone costs
+        ref = link_dir(work, one, args.loaded_reference)
+        res["loaded"] = bench(f"{args.loaded_reference} loaded", [*common, *[
+            x for k in range(args.loaded_reference) for x in ("--lora", f"a{k}={ref / f'a{k}.gguf'}")]],
+            args.loaded_reference, args)
     scans = {}
     for n in counts:
         t0 = time.perf_counter()
@@ -173,9 +172,10 @@ def main() -> None:
 def report(res: dict[str, Any], counts: list[int], scans: dict[int, float], args: argparse.Namespace) -> None:
     base = res["1"]
     rows = []
-    for key in ["1", *map(str, counts)]:
+    for key in ["1", *(["loaded"] if "loaded" in res else []), *map(str, counts)]:
         r = res[key]
-        rows.append([key if key == "1" else f"{int(key):,} (--lora-dir)", f"{r['tok_s']:.1f}",
+        label = {"1": "1", "loaded": f"{args.loaded_reference} (--lora, all in slots)"}.get(key)
+        rows.append([label or f"{int(key):,} (--lora-dir)", f"{r['tok_s']:.1f}",
                      f"{r['tok_s'] / base['tok_s']:.2f}", f"{r['ttft_p50']:.2f} / {r['ttft_p99']:.2f}",
                      f"{r['gap_max_ms']:.1f} / {r['gap_p99_ms']:.1f}", f"{r['evictions']:.0f}",
                      f"{r['rss_mb']:.0f}", f"{r['startup_s']:.2f}"])

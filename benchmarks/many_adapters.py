@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -107,6 +108,7 @@ BANK_FIGURES = ("loramux_slot_wait_p99_seconds", "loramux_slot_wait_max_steps", 
 
 
 BASELINE = "loramux (baseline)"
+COLD_MAX_LOADED = 64  # --max-loaded of the servers with adapters registered cold
 
 
 def bank_figures(srv: Server) -> dict[str, float]:
@@ -133,6 +135,17 @@ def write_adapters(work: Path, model: Path, n: int, rank: int) -> list[str]:
             write_adapter(p, arch, random_factors(shapes, rank, 100 + k), float(rank), dtype="f16")
         out.append(str(p))
     return out
+
+
+def link_dir(work: Path, one: str, n: int) -> Path:
+    """A directory of n hard links to one adapter file, named a0.gguf … a{n-1}.gguf (for `--lora-dir`)."""
+    d = work / f"reg{n}"
+    d.mkdir(exist_ok=True)
+    for k in range(n):
+        p = d / f"a{k}.gguf"
+        if not p.exists():
+            os.link(one, p)
+    return d
 
 
 def bench_systems(systems: list[tuple[str, list[str], str]], adapters: list[str], args: argparse.Namespace
@@ -229,6 +242,11 @@ def main() -> None:
                     help="the count the ratios are taken against when it is in --counts (default 8: with the "
                          "default bank of --parallel slots, every adapter in its own slot, never rewritten)")
     ap.add_argument("--no-llama-server", action="store_true", help="skip the llama-server peer")
+    ap.add_argument("--cold-from", type=int, default=1000,
+                    help="counts from this one up are registered cold with --lora-dir (hard links of one adapter) "
+                         f"and --max-loaded {COLD_MAX_LOADED}, not loaded with --lora (default 1000)")
+    ap.add_argument("--llama-server-max", type=int, default=256,
+                    help="the largest count llama-server is run with (it loads every adapter at start; default 256)")
     ap.add_argument("--start-timeout", type=float, default=300,
                     help="seconds a server may take to load its adapters and listen (default 300)")
     ap.add_argument("--baseline-src", default=None,
@@ -253,22 +271,23 @@ def main() -> None:
     model = model_path(args.model)
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="loramux-many-"))
     work.mkdir(parents=True, exist_ok=True)
-    all_adapters = write_adapters(work, model, max(counts), args.rank)
+    all_adapters = write_adapters(work, model, max([1] + [c for c in counts if c < args.cold_from]), args.rank)
     info = machine_info(args.threads)
     print_machine(info)
     common = ["--n-ctx", "512", "--threads", str(args.threads), "--parallel", str(args.parallel)]
     results: dict[str, dict[int, Any]] = {"loramux": {}, "llama-server": {}, BASELINE: {}}
     for n in counts:
-        ads = all_adapters[:n]
-        serve = ["-m", "loramux", "serve", str(model), *common, "--public-metrics",
-                 *[x for k, a in enumerate(ads) for x in ("--lora", f"a{k}={a}")]]
+        ads = all_adapters[:n] if n < args.cold_from else [f"a{k}" for k in range(n)]
+        loras = [x for k, a in enumerate(ads) for x in ("--lora", f"a{k}={a}")] if n < args.cold_from else [
+            "--lora-dir", str(link_dir(work, all_adapters[0], n)), "--max-loaded", str(COLD_MAX_LOADED)]
+        serve = ["-m", "loramux", "serve", str(model), *common, "--public-metrics", *loras]
         systems = [("loramux", [sys.executable, *serve], "loramux")]
         if args.baseline_src:  # the same server from another source tree, run beside this one
             systems.append((BASELINE, ["env", f"PYTHONPATH={args.baseline_src}", sys.executable, *serve], "loramux"))
         got = bench_systems(systems, ads, args)
         for label in got:
             results[label][n] = got[label]
-        if not args.no_llama_server:
+        if not args.no_llama_server and n <= args.llama_server_max:
             ls = [str(peer_binary("llama-server")), "-m", str(model), "-t", str(args.threads), "-np",
                   str(args.parallel), "-c", str(512 * args.parallel), "--no-webui", "--lora", ",".join(ads)]
             results["llama-server"][n] = bench_systems([("llama-server", ls, "llama-server")], ads, args)["llama-server"]
@@ -351,25 +370,31 @@ def report_baseline(results: dict[str, dict[int, Any]], counts: list[int], args:
 
 
 def plot(results: dict[str, dict[int, Any]], counts: list[int], args: argparse.Namespace, path: Path) -> None:
+    """Aggregate tokens/s and TTFT p50 against the number of adapters, per system and distribution."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     for system, style in (("loramux", "-o"), ("llama-server", "--s")):
         for dist in args.dists:
-            pts = [(n, c["tok_s"]) for n in counts if (c := _cell(results[system].get(n), dist))]
-            if pts:
-                ax.plot(*zip(*pts), style, label=f"{system}, {dist}")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(counts, [str(c) for c in counts])
-    ax.set_xlabel("distinct adapters")
-    ax.set_ylabel("aggregate generated tokens/s")
-    ax.set_ylim(bottom=0)
-    ax.set_title(f"{args.parallel} streams, rank-{args.rank} adapters, {args.threads} threads")
-    ax.grid(alpha=0.3)
+            cells = [(n, c) for n in counts if (c := _cell(results[system].get(n), dist))]
+            if cells:
+                ax.plot([n for n, _ in cells], [c["tok_s"] for _, c in cells], style, label=f"{system}, {dist}")
+                ax2.plot([n for n, _ in cells], [c["ttft_p50"] for _, c in cells], style, label=f"{system}, {dist}")
+    for a, label in ((ax, "aggregate generated tokens/s"), (ax2, "time to first token, p50 (s)")):
+        a.set_xscale("log")
+        a.set_xticks(counts, [f"{c:,}" for c in counts])
+        a.set_xlabel("distinct adapters" + (f" (≥ {args.cold_from:,}: registered cold)" if counts[-1] >= args.cold_from
+                                            else ""))
+        a.set_ylabel(label)
+        a.set_ylim(bottom=0)
+        a.grid(alpha=0.3)
+        if max(counts) >= args.cold_from:
+            a.axvspan(args.cold_from * 0.8, max(counts) * 1.25, color="0.9", zorder=0)
     ax.legend()
+    fig.suptitle(f"{args.parallel} streams, rank-{args.rank} adapters, {args.threads} threads")
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -107,3 +107,36 @@ def test_only_a_decode_that_re_reserves_waits_for_a_load(engine, tiny_dir, monke
         engine.call(a.close)
         for h in loaded:
             h.close()
+
+
+def test_close_waits_for_a_load_on_another_thread_and_refuses_later_ones(tiny_model, tiny_dir, monkeypatch):
+    """Engine.close() lets a load already inside llama.cpp on another thread finish and be published (then
+    frees it with the rest) before the model goes; a load asked for after close() began is refused."""
+    import loramux as lm
+
+    inside, gate = threading.Event(), threading.Event()
+    real = C.llama_adapter_lora_init
+
+    def held(*a: object) -> object:
+        inside.set()
+        assert gate.wait(60)
+        return real(*a)
+    eng = lm.Engine.load(tiny_model, n_ctx=256, n_threads=1)
+    monkeypatch.setattr(C, "llama_adapter_lora_init", held)
+    got: list[object] = []
+    loader = threading.Thread(target=lambda: got.append(eng.load_lora(tiny_dir / "a.gguf", "late")))
+    loader.start()
+    assert inside.wait(60)
+    closer = threading.Thread(target=eng.close)
+    try:
+        closer.start()
+        closer.join(0.3)
+        closing_waited = closer.is_alive()
+    finally:
+        gate.set()
+        loader.join(60)
+        closer.join(60)
+    assert closing_waited, "close() went on while a load was inside llama.cpp"
+    assert len(got) == 1 and got[0].handle.closed  # published, then freed by close()
+    with pytest.raises(lm.errors.EngineClosedError):
+        eng.load_lora(tiny_dir / "b.gguf", "after")

@@ -21,10 +21,10 @@ import numpy as np
 
 from .. import _native as N
 from .. import config
-from ..errors import AdapterError, ContextLengthError, EngineClosedError, ParameterError
+from ..errors import ContextLengthError, EngineClosedError, ParameterError
 from ..sources import resolve
 from . import rpc
-from .adapters import CheckedAdapter, LoRAAdapter
+from .adapters import LoRAAdapter
 from .bank import SlotBank
 from .chat import ChatTemplate, special_texts, tokenize_chat, user_strings
 from .commands import CommandQueue, pass_failure
@@ -32,6 +32,7 @@ from .control import ControlSetting, ControlSource
 from .evaluation import Evaluator
 from .grammar import ActiveGrammar, Grammar
 from .kv_guard import KvGuard
+from .loads import Loads, build_adapter
 from .model import Context, ContextOptions, Model, default_threads
 from .options import EngineOptions, check_deterministic
 from .phases import alora_phases
@@ -84,6 +85,7 @@ class Engine:
         self.n_ctx = n_ctx
         self.ctx = Context(model, self._ctx_opts, callback=self.bank.callback if self.bank else None)
         self._retired: list[LoRAAdapter] = []  # out of the registry (or never in it), freed once unused
+        self._loads = Loads()  # adapter loads running on other threads; close() waits for them
         guard = KvGuard(model, self.bank.callback if self.bank else None, opts.kv_type)
         self.scheduler = Scheduler(model, self.ctx, n_parallel, self.bank, opts.deterministic, guard,
                                    score_rows=opts.score_rows, score_rows_shared=opts.score_rows_shared,
@@ -252,38 +254,26 @@ class Engine:
                         "may still depend on their batch; reinstall with CMAKE_ARGS=\"-DGGML_LLAMAFILE=OFF\" "
                         "pip install --force-reinstall --no-cache-dir llama-cpp-python==%s", N.PINNED_VERSION)
 
-        adapter = self._build(path, name, src)  # all of the load, here: the engine thread only publishes it
+        with self._loads.running():
+            adapter = self._build(path, name, src)  # all of the load, here: the engine thread only publishes it
 
-        def commit() -> LoRAAdapter:
-            self.loaded.check_room(name)
-            self._publish(adapter, scale)
-            self.loaded.loaded(adapter, pin)
-            return adapter
-        try:
-            return self.call(commit)
-        except BaseException:
-            if self.registry.adapters.get(name) is not adapter:
-                adapter.close()  # refused (or the engine closed): never published, nothing uses it
-            raise
+            def commit() -> LoRAAdapter:
+                self.loaded.check_room(name)
+                self._publish(adapter, scale)
+                self.loaded.loaded(adapter, pin)
+                return adapter
+            try:
+                return self.call(commit)
+            except BaseException:
+                if self.registry.adapters.get(name) is not adapter:
+                    adapter.close()  # refused (or the engine closed): never published, nothing uses it
+                raise
 
     def _build(self, path: Path, name: str, source: str) -> LoRAAdapter:
         """Parse, check and load a file into llama.cpp, unpublished, warm from the parse (any thread)."""
-        try:
-            checked = CheckedAdapter(self.model, path)
-            try:
-                adapter = LoRAAdapter(self.model, checked, name, self.call_between_decodes, source=source)
-            finally:
-                checked.close()
-        except AdapterError as e:
-            e.name = name
-            raise
-        # slot blocks and KV-guard gains from the factors just parsed (the live ones are the same bytes)
-        if self.bank is not None:
-            with contextlib.suppress(AdapterError):  # cannot go into a slot: its slot write says why, later
-                self.bank.warm_from_file(adapter, checked.factors)
-        if self.scheduler.guard is not None:
-            self.scheduler.guard.gains(adapter, checked.factors)
-        return adapter
+        with self._loads.running():
+            return build_adapter(self.model, path, name, source, self.call_between_decodes, self.bank,
+                                 self.scheduler.guard)
 
     def _publish(self, adapter: LoRAAdapter, scale: float | None = None) -> None:
         """Publish a built adapter under its name, retiring the one it replaces (engine thread)."""
@@ -563,6 +553,7 @@ class Engine:
         """Stop the engine thread, fail queued requests, free adapters, contexts and the model. Idempotent."""
         if (self.commands.closed and not self._thread.is_alive()) or self.lost:
             return  # lost: the engine thread and every native handle are stuck in llama.cpp
+        self._loads.close()  # a load on another thread ends (published, or freed) before the model goes
         if self._thread.is_alive():
             try:
                 self.call(lambda: self.scheduler.fail_all(EngineClosedError("the engine was closed")))
