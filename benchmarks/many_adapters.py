@@ -394,7 +394,7 @@ def plot(results: dict[str, dict[int, Any]], counts: list[int], args: argparse.N
         if max(counts) >= args.cold_from:
             a.axvspan(args.cold_from * 0.8, max(counts) * 1.25, color="0.9", zorder=0)
     ax.legend()
-    fig.suptitle(f"{args.parallel} streams, rank-{args.rank} adapters, {args.threads} threads")
+    fig.suptitle(f"{args.parallel} streams, rank-{args.rank} adapters, {args.threads} thread{'s' if args.threads > 1 else ''}")
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
