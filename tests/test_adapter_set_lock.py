@@ -19,11 +19,9 @@ from loramux.engine.adapters import LoRAAdapter
 from loramux.engine.model import Context, ContextOptions
 
 
-@contextmanager
-def load_held(monkeypatch: pytest.MonkeyPatch, model: N.ModelHandle, path: str,
-              out: list[N.AdapterHandle]) -> Iterator[None]:
-    """An adapter load on another thread, held inside llama_adapter_lora_init until the block ends; its
-    handle goes into `out` (the caller closes it, whatever happened)."""
+def hold_loads(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
+    """Every adapter load from now on waits inside llama_adapter_lora_init (the binding's function, wrapped)
+    until `gate` is set; `inside` is set once one is there."""
     inside, gate = threading.Event(), threading.Event()
     real = C.llama_adapter_lora_init
 
@@ -32,6 +30,15 @@ def load_held(monkeypatch: pytest.MonkeyPatch, model: N.ModelHandle, path: str,
         assert gate.wait(60)
         return real(*a)
     monkeypatch.setattr(C, "llama_adapter_lora_init", held)
+    return inside, gate
+
+
+@contextmanager
+def load_held(monkeypatch: pytest.MonkeyPatch, model: N.ModelHandle, path: str,
+              out: list[N.AdapterHandle]) -> Iterator[None]:
+    """An adapter load on another thread, held inside llama_adapter_lora_init until the block ends; its
+    handle goes into `out` (the caller closes it, whatever happened)."""
+    inside, gate = hold_loads(monkeypatch)
     t = threading.Thread(target=lambda: out.append(N.AdapterHandle.load(model, path)))
     t.start()
     assert inside.wait(60)
@@ -40,7 +47,6 @@ def load_held(monkeypatch: pytest.MonkeyPatch, model: N.ModelHandle, path: str,
     finally:
         gate.set()
         t.join(60)
-        monkeypatch.setattr(C, "llama_adapter_lora_init", real)
 
 
 def _finish_order(fn, release_after: float = 0.3) -> list[str]:  # noqa: ANN001
@@ -114,15 +120,8 @@ def test_close_waits_for_a_load_on_another_thread_and_refuses_later_ones(tiny_mo
     frees it with the rest) before the model goes; a load asked for after close() began is refused."""
     import loramux as lm
 
-    inside, gate = threading.Event(), threading.Event()
-    real = C.llama_adapter_lora_init
-
-    def held(*a: object) -> object:
-        inside.set()
-        assert gate.wait(60)
-        return real(*a)
     eng = lm.Engine.load(tiny_model, n_ctx=256, n_threads=1)
-    monkeypatch.setattr(C, "llama_adapter_lora_init", held)
+    inside, gate = hold_loads(monkeypatch)
     got: list[object] = []
     loader = threading.Thread(target=lambda: got.append(eng.load_lora(tiny_dir / "a.gguf", "late")))
     loader.start()
