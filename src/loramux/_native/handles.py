@@ -286,7 +286,7 @@ class ContextHandle(Handle):
         if self._reserve_due:
             with _MODEL_ADAPTERS:
                 rc = C.llama_decode(self.ptr, batch.struct)
-                self._reserve_due = False
+                self._reserve_due = rc != 0  # a failed decode may not have reserved yet
         else:
             rc = C.llama_decode(self.ptr, batch.struct)
         if rc != 0:

@@ -35,11 +35,15 @@ def build_adapter(model: Model, path: Path, name: str, source: str, between: Cal
     except AdapterError as e:
         e.name = name
         raise
-    if bank is not None:
-        with contextlib.suppress(AdapterError):  # cannot go into a slot: its slot write says why, later
-            bank.warm_from_file(adapter, checked.factors)
-    if guard is not None:
-        guard.gains(adapter, checked.factors)
+    try:
+        if bank is not None:
+            with contextlib.suppress(AdapterError):  # cannot go into a slot: its slot write says why, later
+                bank.warm_from_file(adapter, checked.factors)
+        if guard is not None:
+            guard.gains(adapter, checked.factors)
+    except BaseException:
+        adapter.close()  # never published: nothing else would free it
+        raise
     return adapter
 
 

@@ -432,7 +432,7 @@ class LoadedTier:
         `stepped`: a decode step just ran, so the next submit that needs a load may have it."""
         if stepped:
             self._loaded_this_step = False
-            self._drop_stale_prepared()
+        self._drop_stale_prepared()
         if self.max_loaded is not None and len(self.registry.adapters) > self.max_loaded:
             self._trim(keep=set())
         if not self.waiting:
@@ -468,7 +468,9 @@ class LoadedTier:
 
     def _drop_stale_prepared(self) -> None:
         """Free what `prepare` loaded for names that are not cold any more (loaded by another path meanwhile)."""
-        for n in [n for n in self._prepared if n not in self.cold]:
+        with self._preparing:  # submitting threads add entries meanwhile
+            stale = [n for n in self._prepared if n not in self.cold]
+        for n in stale:
             self._drop_prepared(n)
 
     # -- inside ------------------------------------------------------------------------------------
