@@ -49,7 +49,7 @@ def load_held(monkeypatch: pytest.MonkeyPatch, model: N.ModelHandle, path: str,
         t.join(60)
 
 
-def _finish_order(fn, release_after: float = 0.3) -> list[str]:  # noqa: ANN001
+def _finish_order(fn, release_after: float) -> list[str]:  # noqa: ANN001
     """Run fn on a thread for up to `release_after` s: ['done', 'released'] if it finished by then."""
     order: list[str] = []
     t = threading.Thread(target=lambda: (fn(), order.append("done")))
@@ -95,7 +95,7 @@ def test_only_a_decode_that_re_reserves_waits_for_a_load(engine, tiny_dir, monke
     try:
         ctx.prefill(0, toks)
         with load_held(monkeypatch, engine.model.handle, str(tiny_dir / "b.gguf"), loaded):
-            steady = _finish_order(lambda: (ctx.handle.memory_clear(), ctx.prefill(0, toks)))
+            steady = _finish_order(lambda: (ctx.handle.memory_clear(), ctx.prefill(0, toks)), release_after=30)
             ctx.handle.set_adapters([a.handle], [1.0])
             started = time.monotonic()
             changed_order: list[str] = []
