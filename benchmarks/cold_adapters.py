@@ -58,11 +58,13 @@ def endpoint(srv: Server, path: str, repeats: int = 5) -> tuple[int, float]:
 
 def bench(label: str, argv: list[str], n_adapters: int, args: argparse.Namespace) -> dict[str, Any]:
     srv = Server(argv, "loramux", [])
+    srv.unique_prompts = args.unique_prompts
     out: dict[str, Any] = {"startup_s": srv.startup}
     try:
         runs = []
         for rep in range(max(1, args.repeats)):
             seq = adapter_sequence(n_adapters, args.requests, "zipf", 1.0, seed=7 + rep)
+            srv.unique_seed = rep
             runs.append(run_cell(srv, seq, args.parallel, args.tokens))
         runs.sort(key=lambda r: r["tok_s"])
         out.update(runs[(len(runs) - 1) // 2])
@@ -132,6 +134,9 @@ def main() -> None:
     ap.add_argument("--loaded-reference", type=int, default=8,
                     help="also a server with this many adapters loaded with --lora and Zipf over them, every one "
                          "in a slot: the slot bank's own cost, apart from cold loads (0: none; default 8)")
+    ap.add_argument("--unique-prompts", action="store_true",
+                    help="every request's prompt starts with its own number, so no request reuses another's KV "
+                         "cache (by default 4 prompts repeat, and the servers with fewer adapters reuse more)")
     ap.add_argument("--profile-load", action="store_true",
                     help="only time the parts of one cold load in process (parse, llama.cpp load, discovery, free)")
     args = ap.parse_args()
@@ -181,7 +186,7 @@ def report(res: dict[str, Any], counts: list[int], scans: dict[int, float], args
                      f"{r['rss_mb']:.0f}", f"{r['startup_s']:.2f}"])
     print_table(f"Zipf (s = 1) over the registered adapters: {args.parallel} streams, {args.requests} requests × "
                 f"{args.tokens} tokens, {args.threads} threads, rank-{args.rank} adapters, --max-loaded {MAX_LOADED} "
-                f"(median of {args.repeats} runs)",
+                f"(median of {args.repeats} runs{', unique prompts' if args.unique_prompts else ', 4 prompts repeating'})",
                 ["adapters", "tokens/s", "vs 1 adapter", "TTFT p50 / p99 (s)", "decode gap max / p99 (ms)",
                  "evictions", "RSS (MB)", "start (s)"], rows)
     rows = []

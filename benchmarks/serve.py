@@ -55,13 +55,18 @@ class Server:
     def __init__(self, argv: list[str], kind: str, adapters: list[str], start_timeout: float = 300) -> None:
         self.port = free_port()
         self.kind, self.adapters = kind, adapters
+        self.unique_prompts = False  # True: request i's prompt starts with its own number (no prefix reuse)
+        self.unique_seed = 0  # set per run, so a repeat does not reuse the previous run's prompts
         self.url = f"http://127.0.0.1:{self.port}"
         argv = argv + ["--port", str(self.port)]
         self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.startup = wait_ready(self.url, self.proc, timeout=start_timeout)
 
     def body(self, i: int, adapter: int | None, n: int) -> dict[str, Any]:
-        b: dict[str, Any] = {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": n, "temperature": 0.0,
+        prompt = PROMPTS[i % len(PROMPTS)]
+        if self.unique_prompts:  # every request's KV differs from its first token: nothing to reuse
+            prompt = f"Request {i}, {self.unique_seed}: {prompt}"
+        b: dict[str, Any] = {"prompt": prompt, "max_tokens": n, "temperature": 0.0,
                              "ignore_eos": True}
         if self.kind == "llama-server":
             b["model"] = "base"
