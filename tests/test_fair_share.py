@@ -19,7 +19,7 @@ from test_server import serving
 
 import loramux as lm
 from loramux.cli.serve import add_parsers, settings_from_args
-from loramux.engine.fairness import slot_limit, step_share
+from loramux.engine.fairness import HEAVY_GRAMMAR, PREFILL_STEP_TOKENS, held, slot_limit, step_share
 from loramux.engine.request import Request
 from loramux.errors import ParameterError
 
@@ -265,3 +265,81 @@ def test_an_n16_request_through_the_server_leaves_a_slot_and_a_turn(tiny_model):
     assert steps["beside"] >= PARALLEL - 1, steps  # it did arrive while the n = 16 request ran
     assert took <= NEIGHBOUR + 2, steps  # its own steps, not a wave of the n = 16 request (160 steps)
     assert [c["token_ids"] for c in got["choices"]] == [c["token_ids"] for c in ref["choices"]]
+
+
+def _batches(eng: lm.Engine) -> list[Counter[int]]:
+    """Tokens per sequence of every decode from now on, read on the engine thread around the real decode."""
+    sched, seen = eng.scheduler, []
+    real = sched._decode
+
+    def decode(entries, guarded, masked):
+        b = sched.ctx.batch
+        seen.append(Counter(int(s) for s in b.seq[: b.n]))
+        real(entries, guarded, masked)
+    sched._decode = decode
+    return seen
+
+
+def test_a_long_prompt_goes_in_pieces_and_turns_beside_a_decoding_neighbour(tiny_model):
+    """While a neighbour decodes, a long prompt puts at most `prefill_step_tokens` tokens into a step and
+    takes part in at most every other one of the neighbour's steps (fairness.py, `prompt_cap` and `held`);
+    alone it goes on in whole batches. Every prompt token is decoded once."""
+    with lm.Engine.load(tiny_model, n_ctx=1024, n_threads=2, n_parallel=2, prefill_step_tokens=8) as eng:
+        toks = (eng.tokenize("the history of the river valley") * 120)[:600]
+        seen = _batches(eng)
+        n = eng.submit("the dog ran", max_tokens=48, ignore_eos=True, temperature=0)
+        for _ in range(20000):
+            if eng.scheduler.stats.generated_tokens >= 4:
+                break
+            time.sleep(0.002)
+        long = eng.submit(toks, max_tokens=1, temperature=0)
+        assert len(_tokens(n)) == 48 and len(_tokens(long)) == 1
+    near, far = n.seq, long.seq
+    shared = [c for c in seen if c[near]]  # the neighbour's steps
+    took = [c[far] for c in shared if c[far]]
+    assert took and max(took) <= 8, took  # pieces of at most prefill_step_tokens beside its decode
+    during = shared[shared.index(next(c for c in shared if c[far])):]  # from the long prompt's first piece
+    assert len([c for c in during if c[far]]) <= -(-len(during) // 2) + 1, [c[far] for c in during]
+    assert sum(c[far] for c in seen) == len(toks)  # every prompt token once (and its one sampled token: none)
+    assert max(c[far] for c in seen) > 8  # alone again: whole batches
+
+
+@dataclasses.dataclass
+class _Spent:
+    spent: float
+
+
+@dataclasses.dataclass
+class _Req(_Seq):
+    pending: int | None = None
+    grammar: _Spent | None = None
+    prompt: list[int] = dataclasses.field(default_factory=list)
+
+
+def test_which_requests_take_turns():
+    """`held`: a sequence of a party of several, a prompt with more than `prefill_step_tokens` left, and a
+    grammar that took more than HEAVY_GRAMMAR of a decode step per token so far; nothing else."""
+    step = 0.02
+    assert held(_Req(object()), 16, step)
+    assert not held(_Req(None, prompt=[1] * 16), 16, step)  # a short prompt: in one piece, no turns
+    assert held(_Req(None, prompt=[1] * 17), 16, step)
+    assert not held(_Req(None, n_past=17, pending=5, prompt=[1] * 17), 16, step)  # decoding now
+    cheap = _Req(None, n_past=3, pending=5, prompt=[1] * 3, generated=[1, 2, 3, 4])
+    cheap.grammar = _Spent(4 * step * HEAVY_GRAMMAR * 0.9)
+    costly = dataclasses.replace(cheap, grammar=_Spent(4 * step * HEAVY_GRAMMAR * 1.1))
+    assert not held(cheap, 16, step) and held(costly, 16, step)
+    assert not held(dataclasses.replace(costly, generated=[]), 16, step)  # nothing measured yet
+
+
+def test_prefill_step_tokens_is_a_serve_option_and_is_checked():
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    add_parsers(ap.add_subparsers())
+    opts = settings_from_args(ap.parse_args(["serve", "--prefill-step-tokens", "32"])).engine_options()
+    assert opts.prefill_step_tokens == 32
+    assert settings_from_args(ap.parse_args(["serve"])).engine_options().prefill_step_tokens == PREFILL_STEP_TOKENS
+    with pytest.raises(ParameterError, match="prefill_step_tokens"):
+        settings_from_args(ap.parse_args(["serve", "--prefill-step-tokens", "0"]))
+    with pytest.raises(ParameterError, match="prefill_step_tokens"):
+        lm.EngineOptions(prefill_step_tokens=0)

@@ -162,10 +162,18 @@ def _share_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--request-step-every", type=int, default=None, metavar="N",
                    help="while another request runs, a request of several sequences takes part in one decode "
                         "step of every N; the others serve the rest alone (default 2; 1: every step)")
+    g.add_argument("--prefill-step-tokens", type=int, default=None, metavar="N",
+                   help="while another request decodes, a longer prompt puts at most N tokens into a decode "
+                        "step, in turns with the others, so a long prompt does not stall their tokens "
+                        "(default 16)")
+    g.add_argument("--background-nice", type=int, default=None, metavar="N",
+                   help="CPU priority (nice, 0-19) of the threads that prepare requests and render responses "
+                        "beside decoding: tokenizing, templates, grammar compiles, cold adapter loads (default "
+                        "19, the lowest: they only use CPU that decoding leaves; 0: the process's priority)")
     g.add_argument("--score-rows", type=int, default=None, metavar="N",
-                   help="prompt-scoring logit rows per decode while nothing else runs (default 16)")
+                   help="prompt-scoring logit rows per decode while nothing else runs (default 8)")
     g.add_argument("--score-rows-shared", type=int, default=None, metavar="N",
-                   help="prompt-scoring logit rows per decode while another request runs (default 2)")
+                   help="prompt-scoring logit rows per decode while another request runs (default 1)")
 
 
 def _key(args: argparse.Namespace, name: str) -> str | None:
@@ -235,7 +243,8 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         control_vector_layers=args.control_vector_layers, tool_format=args.tool_format,
         request_slots=args.request_slots, request_step_seqs=args.request_step_seqs,
         request_step_every=args.request_step_every, score_rows=args.score_rows,
-        score_rows_shared=args.score_rows_shared)
+        score_rows_shared=args.score_rows_shared, background_nice=args.background_nice,
+        prefill_step_tokens=args.prefill_step_tokens)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

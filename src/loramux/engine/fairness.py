@@ -15,14 +15,36 @@ Three bounds keep such a request from taking every other request's turn:
   go to requests of one sequence; a step they are not in (two requests of several sequences side by side,
   nobody else) every party takes: the shares never idle the engine.
 
+Two kinds of request of one sequence take the same turns, because each of their steps costs a neighbour
+more than a sequence of its own would (`held`):
+
+- **a long prompt**: while another request decodes, a request with more than `prefill_step_tokens` prompt
+  tokens still to decode puts at most that many into a step (`prompt_cap`), in turns. Without it a neighbour
+  arriving during an 1,100-token prompt (a chat with tool declarations) waited for 512-token chunks of
+  1.5-2 s each (BENCHMARKS.md, "Attacks beside a neighbour");
+- **a costly grammar**: one whose checks and passes took, per token so far, more than `HEAVY_GRAMMAR` of a
+  decode step (500 choices: 10-45 ms a token beside 22 ms steps).
+
 None of them changes what a sequence computes (its own tokens, sampler and seed), only when; in deterministic
 mode the tokens are then identical, elsewhere as identical as any change of batch composition leaves them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol, TypeVar
+
+# prompt tokens of a long prompt one decode step takes while another request decodes (the default of
+# EngineOptions.prefill_step_tokens)
+PREFILL_STEP_TOKENS = 16
+# a grammar whose engine time per token exceeds this fraction of a decode step takes turns beside others
+HEAVY_GRAMMAR = 0.25
+
+
+class Spends(Protocol):
+    """A request's grammar, as the shares read it: the engine seconds it has taken so far."""
+
+    spent: float
 
 
 class Member(Protocol):
@@ -30,6 +52,11 @@ class Member(Protocol):
 
     generated: list[int]
     n_past: int
+    pending: int | None
+    grammar: Spends | None
+
+    @property
+    def prompt(self) -> list[int]: ...
 
     @property
     def party(self) -> object | None: ...
@@ -60,18 +87,41 @@ def over_slots(r: Member, running: Sequence[Member], limit: int) -> bool:
     return sum(1 for q in running if party_of(q) is p) >= limit
 
 
+def held(r: Member, prefill_step_tokens: int, step_s: float) -> bool:
+    """Does `r` take turns while another party runs? A sequence of a party of several, a request with more
+    than `prefill_step_tokens` prompt tokens left, or one whose grammar took more than `HEAVY_GRAMMAR` of a
+    decode step (`step_s` seconds) per token so far."""
+    if r.party is not None:
+        return True
+    if len(r.prompt) - r.n_past > prefill_step_tokens:
+        return True
+    g = r.grammar
+    return g is not None and bool(r.generated) and g.spent / len(r.generated) > HEAVY_GRAMMAR * step_s
+
+
+def prompt_cap(r: Member, running: Sequence[Member], prefill_step_tokens: int) -> int | None:
+    """The most prompt tokens of `r` one decode step may take: `prefill_step_tokens` while a request of
+    another party decodes (its steps would carry the chunk), else None (the batch's room)."""
+    p = party_of(r)  # (a request past its prompt decodes: its pending token may be in this batch already)
+    if any(q.n_past >= len(q.prompt) and party_of(q) is not p for q in running):
+        return prefill_step_tokens
+    return None
+
+
 def step_share(members: list[M], running: Sequence[Member], per_step: int, step: int,
-               every: int = 1) -> list[M]:
+               every: int = 1, holds: Callable[[M], bool] | None = None) -> list[M]:
     """The members decode step `step` serves: all of them when one party runs alone, else at most
     `per_step` of each party's, in turn (the window moves on by `per_step` each step the party takes), and
-    the sequences of a party of several sequences only in one step of every `every`."""
+    those `holds` holds back (by default the sequences of a party of several) only in one step of every
+    `every`."""
     parties = {id(party_of(q)) for q in running}
     if len(parties) < 2:
         return members
     turn = step
     if every > 1:
         turn = step // every
-        others = [r for r in members if r.party is None]  # single-sequence requests: never held back
+        holds = holds or (lambda r: r.party is not None)
+        others = [r for r in members if not holds(r)]  # never held back
         if step % every and others:
             members = others
     by_party: dict[int, list[M]] = {}
@@ -87,4 +137,5 @@ def step_share(members: list[M], running: Sequence[Member], per_step: int, step:
     return [r for r in members if id(r) in chosen]
 
 
-__all__ = ["Member", "over_slots", "party_of", "slot_limit", "step_share"]
+__all__ = ["HEAVY_GRAMMAR", "PREFILL_STEP_TOKENS", "Member", "Spends", "held", "over_slots", "party_of", "prompt_cap", "slot_limit",
+           "step_share"]

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import _native as N
 from ..errors import ParameterError
+from .fairness import PREFILL_STEP_TOKENS
 from .scoring import SCORE_ROWS, SCORE_ROWS_SHARED
 
 if TYPE_CHECKING:
@@ -42,7 +43,8 @@ class EngineOptions:
     sequences (the same `party`) holds at once (0: all but one of n_parallel); request_step_seqs: the most
     of its sequences one decode step serves while another request runs; request_step_every: such a request
     takes part in one decode step of every request_step_every while another request runs (see
-    engine/fairness.py).
+    engine/fairness.py); prefill_step_tokens: while another request decodes, a longer prompt puts at most
+    this many tokens into a step, in the same turns.
     max_loaded: adapters llama.cpp holds at once (None: no bound); past it the least recently used one
     that no request uses is evicted and loaded again when a request names it (engine/residency.py).
     """
@@ -68,6 +70,7 @@ class EngineOptions:
     request_slots: int = 0
     request_step_seqs: int = 1
     request_step_every: int = 2
+    prefill_step_tokens: int = PREFILL_STEP_TOKENS
     max_loaded: int | None = None
 
     def __post_init__(self) -> None:
@@ -77,7 +80,7 @@ class EngineOptions:
         except ParameterError as e:
             problems.append(("rpc", e.message.split(": ", 1)[-1]))
         for name in ("n_ctx", "n_parallel", "n_batch", "slot_rank", "score_rows", "score_rows_shared",
-                     "request_step_seqs", "request_step_every"):
+                     "request_step_seqs", "request_step_every", "prefill_step_tokens"):
             if getattr(self, name) < 1:
                 problems.append((name, f"must be ≥ 1 (got {getattr(self, name)})"))
         if self.request_slots < 0:

@@ -18,7 +18,7 @@ from typing import Any
 from .. import _native as N
 from ..errors import LoramuxError, RequestFailed
 from .bank import SlotBank
-from .fairness import over_slots, slot_limit, step_share
+from .fairness import PREFILL_STEP_TOKENS, held, over_slots, prompt_cap, slot_limit, step_share
 from .kv_guard import KvGuard, may_leave_bad_values, read_bad_values_error
 from .linestops import LineStops
 from .model import Context, Model
@@ -40,7 +40,7 @@ class Scheduler:
     def __init__(self, model: Model, ctx: Context, n_parallel: int, bank: SlotBank | None = None,
                  deterministic: bool = False, guard: KvGuard | None = None, score_rows: int = SCORE_ROWS,
                  score_rows_shared: int = SCORE_ROWS_SHARED, request_slots: int = 0, request_step_seqs: int = 1,
-                 request_step_every: int = 2) -> None:
+                 request_step_every: int = 2, prefill_step_tokens: int = PREFILL_STEP_TOKENS) -> None:
         self.model = model
         self.score_rows = score_rows  # prompt-scoring rows per decode while nothing else runs (scoring.py)
         self.score_rows_shared = score_rows_shared  # ... and while another request runs
@@ -48,6 +48,8 @@ class Scheduler:
         self.request_slots = slot_limit(request_slots, n_parallel)
         self.request_step_seqs = request_step_seqs
         self.request_step_every = request_step_every  # ... and it takes one step in this many beside others
+        self.prefill_step_tokens = prefill_step_tokens  # a long prompt's tokens per step beside a decode
+        self.step_s = 0.0  # recent seconds of a decode step of decode tokens only (a costly grammar's measure)
         self.ctx = ctx
         self.bank = bank
         # The guard checks KV writes through the bank's eval callback, one ubatch per decode on a unified
@@ -130,7 +132,8 @@ class Scheduler:
             return
         group = self._pick_group(runnable)
         turn = step_share([r for r in runnable if r.phase_at(r.n_past).group_key == group], runnable,
-                          self.request_step_seqs, self.stats.decode_steps, self.request_step_every)
+                          self.request_step_seqs, self.stats.decode_steps, self.request_step_every,
+                          lambda r: held(r, self.prefill_step_tokens, self.step_s))
         members, guarded = self._guard_plan(turn)
         if not members:
             return
@@ -141,7 +144,10 @@ class Scheduler:
         try:
             self._apply(phase, masked)
             self.gaps.decoding()
+            t0 = time.perf_counter()
             self._decode(entries, guarded, masked)
+            if self.ctx.batch.n == len(entries):  # decode tokens only: the step a costly grammar is weighed by
+                self.step_s += (time.perf_counter() - t0 - self.step_s) / 8
         except Exception as e:  # noqa: BLE001 - the batch's requests fail; waiting ones and the engine go on
             err = e if isinstance(e, LoramuxError) else RequestFailed("decode", phase.adapters.as_dict(), e)
             for r, _ in plan:
@@ -371,6 +377,8 @@ class Scheduler:
             if r.n_past >= len(r.prompt) or b.n >= b.capacity:
                 continue
             end = min(len(r.prompt), r.n_past + b.capacity - b.n, _phase_end(r))
+            cap = None if self.deterministic else prompt_cap(r, self.running, self.prefill_step_tokens)
+            end = end if cap is None else min(end, r.n_past + cap)  # beside a decode: a piece at a time
             flags: list[bool] | None = None
             if r.scoring is not None:
                 end = r.scoring.chunk_end(r.n_past, end, rows_left)

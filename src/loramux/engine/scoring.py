@@ -4,7 +4,7 @@ A request that wants them carries a `Scoring`. The scheduler asks it which rows 
 need logits (only the rows that predict a scored token, at most `score_rows` per decode over the
 whole batch, `SCORE_ROWS_SHARED` while another request runs), hands it each decoded row, and reports
 each sampled token. A row is a large cost: llama.cpp's output projection for it (n_embd × n_vocab,
-2-4 ms on Gemma 3 270M, 2 cores) and here a pass over its vocabulary, so a request that arrives while
+11-20 ms on Gemma 3 270M, 2 cores: about a whole one-token decode step) and here a pass over its vocabulary, so a request that arrives while
 a scoring decode runs waits for all of that decode's rows: they are few. Each row becomes one
 `TokenLogprob`: the log-softmax of the logits the engine computed under that request's own adapters,
 read for the chosen token and the top N.
@@ -32,11 +32,13 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 MAX_TOP_LOGPROBS = 20  # alternatives per token (OpenAI's bound)
 # Full-vocabulary logit rows per decode for prompt scoring, over the whole batch, while nothing else runs
-# (the default of EngineOptions.score_rows): 16 rows of Gemma 3 270M take 40-80 ms on 2 cores, which a
-# request arriving meanwhile waits for; 64 would make pure scoring about 15 % faster and that wait 4x longer
-SCORE_ROWS = 16
+# (the default of EngineOptions.score_rows). A row costs about what a whole decode step of one token costs
+# on Gemma 3 270M (its 262,144-entry output projection: 11-20 ms on 2 cores, measured), and a request that
+# arrives meanwhile waits for the decode: 8 rows keep that wait near 100 ms; 16 made pure scoring about 20 %
+# faster and a neighbour 2.5-2.9x slower (BENCHMARKS.md, "Attacks beside a neighbour")
+SCORE_ROWS = 8
 # ... while a request that is not scoring its prompt runs too: its tokens wait for each of these decodes
-SCORE_ROWS_SHARED = 2
+SCORE_ROWS_SHARED = 1
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, Response
 from ..engine.bank import bank_info
 from ..engine.runtime import Engine
 from ..sources import CancelToken
-from . import jobs, playground, protocols, push, tokenize
+from . import background, jobs, playground, protocols, push, tokenize
 from .access import Cors
 from .config import ServerSettings
 from .errors import install_handlers
@@ -52,6 +52,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, *, own_en
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        background.install(settings.background_nice)  # request work beside decoding: only spare CPU
         yield
         if own_engine:
             await asyncio.to_thread(engine.close)

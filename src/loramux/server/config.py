@@ -45,6 +45,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from ..engine.fairness import PREFILL_STEP_TOKENS
 from ..engine.grammar_cost import DEFAULT_LIMITS, GrammarLimits
 from ..engine.options import DEFAULT_ADAPTER_CACHE_BYTES, EngineOptions, bank_size
 from ..engine.runtime import Engine
@@ -148,7 +149,7 @@ class ServerSettings:
     # The tool-call format of every chat (server/tool_formats): 'auto' reads it off the chat template.
     tool_format: str = "auto"
     # Prompt-scoring logit rows per decode while nothing else runs (engine/scoring.py): a request arriving
-    # meanwhile waits for that decode, about 2-4 ms a row on Gemma 3 270M (2 cores).
+    # meanwhile waits for that decode, about 11-20 ms a row on Gemma 3 270M (2 cores).
     score_rows: int = SCORE_ROWS
     # ... and while another request runs: each row is a pass over the vocabulary the neighbour waits for.
     score_rows_shared: int = SCORE_ROWS_SHARED
@@ -159,6 +160,13 @@ class ServerSettings:
     request_slots: int = 0
     request_step_seqs: int = 1
     request_step_every: int = 2
+    # While another request decodes, a prompt longer than this puts at most this many tokens into a decode
+    # step, and takes the same turns (engine/fairness.py).
+    prefill_step_tokens: int = PREFILL_STEP_TOKENS
+    # CPU priority (nice, 0-19) of the worker threads that prepare requests and render responses beside
+    # decoding (tokenizing, templates, grammar compiles, cold loads; server/background.py): 19 leaves the
+    # decode threads their cores; 0 runs them at the process's priority.
+    background_nice: int = 19
 
     # ------------------------------------------------------------------ building
     @classmethod
@@ -277,10 +285,13 @@ class ServerSettings:
     def _budget_problems(self) -> list[str]:
         problems = []
         for name in ("grammar_max_alternatives", "grammar_max_elements", "max_scored_tokens", "score_rows",
-                     "score_rows_shared", "request_step_seqs", "request_step_every"):
+                     "score_rows_shared", "request_step_seqs", "request_step_every", "prefill_step_tokens"):
             v = getattr(self, name)
             if type(v) is not int or v < 1:
                 problems.append(f"{name}: must be a positive integer, got {v!r}")
+        if type(self.background_nice) is not int or not 0 <= self.background_nice <= 19:
+            problems.append(f"background_nice: must be an integer from 0 to 19 (19: the lowest CPU priority), "
+                            f"got {self.background_nice!r}")
         if type(self.request_slots) is not int or self.request_slots < 0:
             problems.append(f"request_slots: must be an integer ≥ 0 (0: all but one of parallel), "
                             f"got {self.request_slots!r}")
@@ -317,7 +328,8 @@ class ServerSettings:
                              adapter_cache_bytes=self.adapter_cache_bytes, deterministic=self.deterministic,
                              rpc=self.rpc, score_rows=self.score_rows, score_rows_shared=self.score_rows_shared,
                              request_slots=self.request_slots, request_step_seqs=self.request_step_seqs,
-                             request_step_every=self.request_step_every, max_loaded=self.max_loaded)
+                             request_step_every=self.request_step_every, max_loaded=self.max_loaded,
+                             prefill_step_tokens=self.prefill_step_tokens)
 
     def start_ranks(self) -> list[int]:
         """Largest rank of each start adapter that is a readable local file (its header only)."""
