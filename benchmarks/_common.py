@@ -126,6 +126,41 @@ def concat_stages(stages: Sequence[Mapping[str, tuple[np.ndarray, np.ndarray]]]
 
 
 # ----------------------------------------------------------------------------------------------
+# GGUF metadata
+# ----------------------------------------------------------------------------------------------
+
+def copy_gguf_fields(w: Any, ref: Any, skip: Iterable[str] = (),
+                     replace: Mapping[str, Any] | None = None) -> None:
+    """Copy every metadata field of `ref` (a gguf.GGUFReader) into `w` (a gguf.GGUFWriter), each with its own
+    value type, but the keys in `skip` (the reader's GGUF.* entries and general.architecture are the writer's
+    own); `replace` maps a key to the value written instead of the reference's (same type)."""
+    import gguf
+
+    skipped, replace = {*skip, "general.architecture"}, replace or {}
+    for key, field in ref.fields.items():
+        if key.startswith("GGUF.") or key in skipped:
+            continue
+        kind = field.types[0]
+        if key == "general.alignment":  # the writer pads tensor data by it: set it there, not as a plain key
+            w.add_custom_alignment(int(replace.get(key, field.parts[field.data[0]].tolist()[0])))
+        elif kind == gguf.GGUFValueType.ARRAY:
+            sub = field.types[1]
+            if key in replace:
+                vals: Any = list(replace[key])
+            elif sub == gguf.GGUFValueType.STRING:
+                vals = [bytes(field.parts[i]).decode("utf-8", "surrogateescape") for i in field.data]
+            else:
+                vals = [field.parts[i].tolist()[0] for i in field.data]
+            w.add_key_value(key, vals, kind, sub_type=sub)
+        elif key in replace:
+            w.add_key_value(key, replace[key], kind)
+        elif kind == gguf.GGUFValueType.STRING:
+            w.add_key_value(key, bytes(field.parts[field.data[0]]).decode("utf-8"), kind)
+        else:
+            w.add_key_value(key, field.parts[field.data[0]].tolist()[0], kind)
+
+
+# ----------------------------------------------------------------------------------------------
 # Timing and statistics
 # ----------------------------------------------------------------------------------------------
 

@@ -14,11 +14,19 @@ included: rate limits belong in front of the server.)
     python benchmarks/attacks.py --only nested10,scoring --repeats 9
     python benchmarks/attacks.py --against ../old-checkout    # this tree and another, attack by attack
     python benchmarks/attacks.py --only fanout --variant "all4=--request-slots 4 --request-step-seqs 4"
-    python benchmarks/attacks.py --only control,tools --model FUNCTIONGEMMA.gguf --variant "fg=--tool-format function_gemma"
+    python benchmarks/functiongemma_shape.py -o FG.gguf    # Gemma 3 270M with FunctionGemma's tokens and template
+    python benchmarks/attacks.py --only control,tools,tools_deep --model FG.gguf --variant "fg=--tool-format function_gemma"
 
 `--variant LABEL=OPTIONS` serves this tree once more with those `loramux serve` options (repeatable): the
 settings compared in the same run, in turn. Every measurement records the 1-minute load average, and the
 table gives its median per row (the machine's load is part of every figure).
+
+The `tools` and `tools_deep` rows force a tool call (`tool_choice: "required"`): `tools_deep` with the review's
+FunctionGemma finding, a parameter schema of lists of lists 30 deep. On the embedded model they run in the
+generic JSON format; FunctionGemma's format needs its control tokens in the vocabulary: a FunctionGemma
+`--model`, or for cost measurements functiongemma_shape.py's stand-in (FG.gguf above), whose template selects
+that format by itself (the `fg` variant names it; `--variant "json=--tool-format generic"` adds the generic
+format on the same model).
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ from typing import Any
 
 import httpx
 from _common import (
+    REPO_ROOT,
     common_args,
     dump_json,
     machine_info,
@@ -47,6 +56,9 @@ from _common import (
     wait_ready,
 )
 from serve import free_port
+
+sys.path.insert(0, str(REPO_ROOT / "tests"))  # the adversarial suite's hostile tool schema (needs hypothesis)
+from grammar_fuzz import deep_arrays  # noqa: E402
 
 
 def _nested(n: int) -> str:
@@ -62,6 +74,11 @@ def _tool(k: int) -> dict[str, Any]:
     props = {f"field_{k}_{i}": {"type": "string", "enum": [f"v{j}" for j in range(6)]} for i in range(4)}
     return {"type": "function", "function": {"name": f"book_{k}", "description": f"Booking form {k}.", "parameters": {
         "type": "object", "properties": props, "required": list(props)}}}
+
+
+def _deep_tool(depth: int) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": "book_deep", "description": "Nested booking lists.",
+                                             "parameters": deep_arrays(depth)}}
 
 
 def attacks() -> dict[str, tuple[str, dict[str, Any]]]:
@@ -85,13 +102,22 @@ def attacks() -> dict[str, tuple[str, dict[str, Any]]]:
         "schema_names": ("/v1/completions", {"prompt": "a", "max_tokens": 4, "guided_json": _colliding(6000)}),
         "scoring": ("/v1/completions", {"prompt": "The history of the river valley. " * 160, "max_tokens": 1,
                                         "echo": True, "logprobs": 20, "prompt_logprobs": 20}),
+        # not an attack: one ordinary request beside the neighbour, the cost of sharing the engine at all (on a
+        # model whose decode step is mostly its output projection, a second sequence nearly doubles a step)
+        "plain": ("/v1/completions", {"prompt": "Tell me a story.", "max_tokens": 64, "ignore_eos": True}),
         "fanout": ("/v1/completions", {"prompt": "Tell me a story.", "max_tokens": 64, "n": 16,
                                        "ignore_eos": True}),
         # a forced call against a tool schema: the template's format (generic JSON on Gemma 3), or under
-        # `--tool-format function_gemma` (a --variant, with a FunctionGemma --model: the format's grammar
-        # names its <escape> token, which other Gemma 3 vocabularies lack, so they get a 400) its own grammar
+        # `--tool-format function_gemma` (with a FunctionGemma --model or functiongemma_shape.py's stand-in:
+        # the format's grammar names its <escape> token, which other Gemma 3 vocabularies lack, so they get
+        # a 400) its own grammar
         "tools": (chat, {"messages": [{"role": "user", "content": "Book it."}], "max_tokens": 64,
                          "tools": [_tool(k) for k in range(3)], "tool_choice": "required"}),
+        # the same with the review's FunctionGemma finding: one tool whose parameter is a list of lists 30
+        # deep (under 1 KB of schema), once a 1.68 GB call grammar in the FunctionGemma format (each level
+        # inlined its items twice); the generic format turns it into JSON-schema rules
+        "tools_deep": (chat, {"messages": [{"role": "user", "content": "Book it."}], "max_tokens": 64,
+                              "tools": [_deep_tool(30)], "tool_choice": "required"}),
     }
 
 

@@ -54,6 +54,7 @@ import gguf
 import numpy as np
 from _common import (
     common_args,
+    copy_gguf_fields,
     dump_json,
     machine_info,
     median,
@@ -141,23 +142,8 @@ SHAPE_KEYS = ("embedding_length", "block_count", "feed_forward_length", "attenti
 
 def copy_metadata(w: gguf.GGUFWriter, ref: gguf.GGUFReader, arch: str) -> None:
     """Copy the reference model's tokenizer and hyperparameters (all but its dimensions)."""
-    skip = {f"{arch}.{k}" for k in SHAPE_KEYS} | {"general.architecture", "general.name", "general.basename",
-                                                   "general.size_label", "general.file_type"}
-    for key, field in ref.fields.items():
-        if key.startswith("GGUF.") or key in skip:
-            continue
-        kind = field.types[0]
-        if kind == gguf.GGUFValueType.ARRAY:
-            sub = field.types[1]
-            if sub == gguf.GGUFValueType.STRING:
-                vals: list[Any] = [bytes(field.parts[i]).decode("utf-8", "surrogateescape") for i in field.data]
-            else:
-                vals = [field.parts[i].tolist()[0] for i in field.data]
-            w.add_key_value(key, vals, kind, sub_type=sub)
-        elif kind == gguf.GGUFValueType.STRING:
-            w.add_key_value(key, bytes(field.parts[field.data[0]]).decode("utf-8"), kind)
-        else:
-            w.add_key_value(key, field.parts[field.data[0]].tolist()[0], kind)
+    copy_gguf_fields(w, ref, skip={f"{arch}.{k}" for k in SHAPE_KEYS} | {
+        "general.name", "general.basename", "general.size_label", "general.file_type"})
 
 
 def build_model(shape: Shape, ref_path: Path, out: Path) -> Path:
