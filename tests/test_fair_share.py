@@ -343,3 +343,21 @@ def test_prefill_step_tokens_is_a_serve_option_and_is_checked():
         settings_from_args(ap.parse_args(["serve", "--prefill-step-tokens", "0"]))
     with pytest.raises(ParameterError, match="prefill_step_tokens"):
         lm.EngineOptions(prefill_step_tokens=0)
+    opts = settings_from_args(ap.parse_args(["serve", "--prefill-chunk-tokens", "64"])).engine_options()
+    assert opts.prefill_chunk_tokens == 64
+    assert settings_from_args(ap.parse_args(["serve"])).engine_options().prefill_chunk_tokens == 0
+    with pytest.raises(ParameterError, match="prefill_chunk_tokens"):
+        settings_from_args(ap.parse_args(["serve", "--prefill-chunk-tokens", "-1"]))
+
+
+@pytest.mark.parametrize("chunk", [0, 24])
+def test_prefill_chunk_tokens_bounds_a_prompt_decoded_alone(tiny_model, chunk):
+    """`prefill_chunk_tokens`: alone too, a prompt goes in pieces of at most that many tokens (a request
+    arriving waits for one piece); 0 leaves the batch's room (n_batch)."""
+    with lm.Engine.load(tiny_model, n_ctx=1024, n_threads=2, n_parallel=2, prefill_chunk_tokens=chunk) as eng:
+        toks = (eng.tokenize("the history of the river valley") * 40)[:300]
+        seen = _batches(eng)
+        assert len(eng.generate(toks, max_tokens=1, temperature=0).tokens) == 1
+    sizes = [sum(c.values()) for c in seen]
+    assert sum(sizes) == len(toks)
+    assert max(sizes) == (24 if chunk else len(toks)), sizes

@@ -166,6 +166,9 @@ def _share_options(p: argparse.ArgumentParser) -> None:
                    help="while another request decodes, a longer prompt puts at most N tokens into a decode "
                         "step, in turns with the others, so a long prompt does not stall their tokens "
                         "(default 16)")
+    g.add_argument("--prefill-chunk-tokens", type=int, default=None, metavar="N",
+                   help="otherwise, a prompt puts at most N tokens into a decode step, so a request arriving "
+                        "waits for at most N prompt tokens (default 0: --n-batch)")
     g.add_argument("--background-nice", type=int, default=None, metavar="N",
                    help="CPU priority (nice, 0-19) of the threads that prepare requests and render responses "
                         "beside decoding: tokenizing, templates, grammar compiles, cold adapter loads (default "
@@ -244,7 +247,7 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         request_slots=args.request_slots, request_step_seqs=args.request_step_seqs,
         request_step_every=args.request_step_every, score_rows=args.score_rows,
         score_rows_shared=args.score_rows_shared, background_nice=args.background_nice,
-        prefill_step_tokens=args.prefill_step_tokens)
+        prefill_step_tokens=args.prefill_step_tokens, prefill_chunk_tokens=args.prefill_chunk_tokens)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

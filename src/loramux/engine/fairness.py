@@ -99,13 +99,15 @@ def held(r: Member, prefill_step_tokens: int, step_s: float) -> bool:
     return g is not None and bool(r.generated) and g.spent / len(r.generated) > HEAVY_GRAMMAR * step_s
 
 
-def prompt_cap(r: Member, running: Sequence[Member], prefill_step_tokens: int) -> int | None:
+def prompt_cap(r: Member, running: Sequence[Member], prefill_step_tokens: int, chunk_tokens: int = 0
+               ) -> int | None:
     """The most prompt tokens of `r` one decode step may take: `prefill_step_tokens` while a request of
-    another party decodes (its steps would carry the chunk), else None (the batch's room)."""
+    another party decodes (its steps would carry the chunk), else `chunk_tokens` (0: None, the batch's room:
+    a request arriving during that decode waits for all of it)."""
     p = party_of(r)  # (a request past its prompt decodes: its pending token may be in this batch already)
     if any(q.n_past >= len(q.prompt) and party_of(q) is not p for q in running):
         return prefill_step_tokens
-    return None
+    return chunk_tokens or None
 
 
 def step_share(members: list[M], running: Sequence[Member], per_step: int, step: int,

@@ -44,7 +44,8 @@ class EngineOptions:
     of its sequences one decode step serves while another request runs; request_step_every: such a request
     takes part in one decode step of every request_step_every while another request runs (see
     engine/fairness.py); prefill_step_tokens: while another request decodes, a longer prompt puts at most
-    this many tokens into a step, in the same turns.
+    this many tokens into a step, in the same turns; prefill_chunk_tokens: the most prompt tokens of one
+    request in a decode otherwise (0: n_batch), which bounds how long a request arriving waits for it.
     max_loaded: adapters llama.cpp holds at once (None: no bound); past it the least recently used one
     that no request uses is evicted and loaded again when a request names it (engine/residency.py).
     """
@@ -71,6 +72,7 @@ class EngineOptions:
     request_step_seqs: int = 1
     request_step_every: int = 2
     prefill_step_tokens: int = PREFILL_STEP_TOKENS
+    prefill_chunk_tokens: int = 0
     max_loaded: int | None = None
 
     def __post_init__(self) -> None:
@@ -83,6 +85,8 @@ class EngineOptions:
                      "request_step_seqs", "request_step_every", "prefill_step_tokens"):
             if getattr(self, name) < 1:
                 problems.append((name, f"must be ≥ 1 (got {getattr(self, name)})"))
+        if self.prefill_chunk_tokens < 0:
+            problems.append(("prefill_chunk_tokens", f"must be ≥ 0 (0 = n_batch; got {self.prefill_chunk_tokens})"))
         if self.request_slots < 0:
             problems.append(("request_slots", f"must be ≥ 0 (0 = all but one of n_parallel; got {self.request_slots})"))
         if self.slots < 0:

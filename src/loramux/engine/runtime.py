@@ -91,7 +91,8 @@ class Engine:
                                    score_rows=opts.score_rows, score_rows_shared=opts.score_rows_shared,
                                    request_slots=opts.request_slots, request_step_seqs=opts.request_step_seqs,
                                    request_step_every=opts.request_step_every,
-                                   prefill_step_tokens=opts.prefill_step_tokens)
+                                   prefill_step_tokens=opts.prefill_step_tokens,
+                                   prefill_chunk_tokens=opts.prefill_chunk_tokens)
         # the loaded tier: which adapters llama.cpp holds, at most max_loaded (residency.py)
         self.loaded = LoadedTier(model, self.registry, opts.max_loaded, users=self.scheduler.users,
                                  build=lambda cold: self._build(cold.path, cold.name, cold.source),

@@ -40,7 +40,8 @@ class Scheduler:
     def __init__(self, model: Model, ctx: Context, n_parallel: int, bank: SlotBank | None = None,
                  deterministic: bool = False, guard: KvGuard | None = None, score_rows: int = SCORE_ROWS,
                  score_rows_shared: int = SCORE_ROWS_SHARED, request_slots: int = 0, request_step_seqs: int = 1,
-                 request_step_every: int = 2, prefill_step_tokens: int = PREFILL_STEP_TOKENS) -> None:
+                 request_step_every: int = 2, prefill_step_tokens: int = PREFILL_STEP_TOKENS,
+                 prefill_chunk_tokens: int = 0) -> None:
         self.model = model
         self.score_rows = score_rows  # prompt-scoring rows per decode while nothing else runs (scoring.py)
         self.score_rows_shared = score_rows_shared  # ... and while another request runs
@@ -49,6 +50,7 @@ class Scheduler:
         self.request_step_seqs = request_step_seqs
         self.request_step_every = request_step_every  # ... and it takes one step in this many beside others
         self.prefill_step_tokens = prefill_step_tokens  # a long prompt's tokens per step beside a decode
+        self.prefill_chunk_tokens = prefill_chunk_tokens  # ... and otherwise (0: the batch's room)
         self.step_s = 0.0  # recent seconds of a decode step of decode tokens only (a costly grammar's measure)
         self.ctx = ctx
         self.bank = bank
@@ -377,7 +379,8 @@ class Scheduler:
             if r.n_past >= len(r.prompt) or b.n >= b.capacity:
                 continue
             end = min(len(r.prompt), r.n_past + b.capacity - b.n, _phase_end(r))
-            cap = None if self.deterministic else prompt_cap(r, self.running, self.prefill_step_tokens)
+            cap = None if self.deterministic else prompt_cap(r, self.running, self.prefill_step_tokens,
+                                                             self.prefill_chunk_tokens)
             end = end if cap is None else min(end, r.n_past + cap)  # beside a decode: a piece at a time
             flags: list[bool] | None = None
             if r.scoring is not None:

@@ -163,6 +163,8 @@ class ServerSettings:
     # While another request decodes, a prompt longer than this puts at most this many tokens into a decode
     # step, and takes the same turns (engine/fairness.py).
     prefill_step_tokens: int = PREFILL_STEP_TOKENS
+    # ... and otherwise at most this many (0: n_batch): a request arriving waits for the decode in progress.
+    prefill_chunk_tokens: int = 0
     # CPU priority (nice, 0-19) of the worker threads that prepare requests and render responses beside
     # decoding (tokenizing, templates, grammar compiles, cold loads; server/background.py): 19 leaves the
     # decode threads their cores; 0 runs them at the process's priority.
@@ -289,6 +291,8 @@ class ServerSettings:
             v = getattr(self, name)
             if type(v) is not int or v < 1:
                 problems.append(f"{name}: must be a positive integer, got {v!r}")
+        if type(self.prefill_chunk_tokens) is not int or self.prefill_chunk_tokens < 0:
+            problems.append(f"prefill_chunk_tokens: must be an integer ≥ 0 (0: n_batch), got {self.prefill_chunk_tokens!r}")
         if type(self.background_nice) is not int or not 0 <= self.background_nice <= 19:
             problems.append(f"background_nice: must be an integer from 0 to 19 (19: the lowest CPU priority), "
                             f"got {self.background_nice!r}")
@@ -329,7 +333,8 @@ class ServerSettings:
                              rpc=self.rpc, score_rows=self.score_rows, score_rows_shared=self.score_rows_shared,
                              request_slots=self.request_slots, request_step_seqs=self.request_step_seqs,
                              request_step_every=self.request_step_every, max_loaded=self.max_loaded,
-                             prefill_step_tokens=self.prefill_step_tokens)
+                             prefill_step_tokens=self.prefill_step_tokens,
+                             prefill_chunk_tokens=self.prefill_chunk_tokens)
 
     def start_ranks(self) -> list[int]:
         """Largest rank of each start adapter that is a readable local file (its header only)."""
