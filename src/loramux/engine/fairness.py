@@ -139,5 +139,5 @@ def step_share(members: list[M], running: Sequence[Member], per_step: int, step:
     return [r for r in members if id(r) in chosen]
 
 
-__all__ = ["HEAVY_GRAMMAR", "PREFILL_STEP_TOKENS", "Member", "Spends", "held", "over_slots", "party_of", "prompt_cap", "slot_limit",
-           "step_share"]
+__all__ = ["HEAVY_GRAMMAR", "PREFILL_STEP_TOKENS", "Member", "Spends", "held", "over_slots", "party_of",
+           "prompt_cap", "slot_limit", "step_share"]

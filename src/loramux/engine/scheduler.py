@@ -381,7 +381,7 @@ class Scheduler:
             end = min(len(r.prompt), r.n_past + b.capacity - b.n, _phase_end(r))
             cap = None if self.deterministic else prompt_cap(r, self.running, self.prefill_step_tokens,
                                                              self.prefill_chunk_tokens)
-            end = end if cap is None else min(end, r.n_past + cap)  # beside a decode: a piece at a time
+            end = end if cap is None else min(end, r.n_past + cap)  # a piece at a time (fairness.py)
             flags: list[bool] | None = None
             if r.scoring is not None:
                 end = r.scoring.chunk_end(r.n_past, end, rows_left)

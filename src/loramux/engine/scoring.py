@@ -4,8 +4,9 @@ A request that wants them carries a `Scoring`. The scheduler asks it which rows 
 need logits (only the rows that predict a scored token, at most `score_rows` per decode over the
 whole batch, `SCORE_ROWS_SHARED` while another request runs), hands it each decoded row, and reports
 each sampled token. A row is a large cost: llama.cpp's output projection for it (n_embd × n_vocab,
-11-20 ms on Gemma 3 270M, 2 cores: about a whole one-token decode step) and here a pass over its vocabulary, so a request that arrives while
-a scoring decode runs waits for all of that decode's rows: they are few. Each row becomes one
+11-20 ms on Gemma 3 270M, 2 cores: about a whole one-token decode step) and here a pass over its
+vocabulary, so a request that arrives while a scoring decode runs waits for all of that decode's rows:
+they are few. Each row becomes one
 `TokenLogprob`: the log-softmax of the logits the engine computed under that request's own adapters,
 read for the chosen token and the top N.
 

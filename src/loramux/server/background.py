@@ -4,10 +4,11 @@ Everything the server does for a request beside decoding runs on the event loop'
 (`asyncio.to_thread`): tokenizing, chat templates, compiling a grammar or a tool schema, preparing stop
 strings, cold adapter loads, rendering large responses, metrics. On a machine with as many cores as
 llama.cpp has decode threads (the default), any of that which runs while a decode does takes a core away
-from one of llama.cpp's threads, and a step's threads wait for their slowest: a 0.5 s grammar compile for one
-client made another client's 8-token request take 2.2-2.4x its time (BENCHMARKS.md, "Attacks beside a
-neighbour"). At the lowest priority (nice 19) such work runs in the gaps decoding leaves, the decode
-threads keep their cores, and a request's own preparation is what waits.
+from one of llama.cpp's threads, and a step's threads wait for their slowest. At the lowest priority (nice
+19) such work runs in the gaps decoding leaves, the decode threads keep their cores, and a request's own
+preparation is what waits. Measured beside the attacks of BENCHMARKS.md ("Served attacks under the
+plain-request floor"), this alone moved a neighbour's latency by no more than the noise: those attacks
+spent their cost on the engine thread (fairness.py bounds it there); this bounds what is left beside it.
 
 Linux gives each thread its own nice value (`setpriority` on a thread id); elsewhere the setting does
 nothing (the threads keep the process's priority). A thread cannot take its priority back up without
