@@ -448,6 +448,52 @@ def test_bank_f16_and_bf16_factors(f32_model, tmp_path):
     ])
 
 
+def test_an_f16_bank_moves_results_by_f16_rounding_only(f32_model, tmp_path):
+    """`bank_dtype="f16"`: the bank holds F16 factors (half the bytes), and llama.cpp then rounds the
+    activations to F16 in both products. The noise floor is measured here: the same F16 file loaded
+    natively (which rounds activations the same way) against its values widened to F32. The F16 bank
+    must stay within a few floors of the F32 reference, while the adapter's own effect is far larger;
+    sequences without an adapter are the base exactly."""
+    model = f32_model
+    bank, wide_bank = SlotBank(model, 4, 4, dtype="f16"), SlotBank(model, 4, 4)
+    shapes = [random_factors(rank=4, seed=61 + i, scale=0.4) for i in range(2)]
+    users = [LoRAAdapter(model, write_adapter(tmp_path / f"h{i}.gguf", "llama", f, 4.0, dtype="f16"), f"h{i}")
+             for i, f in enumerate(shapes)]
+    seq_tokens = [model.tokenize(p) for p in PROMPTS]
+    # a warm-tier entry (what a slot write copies) is half the bytes of the F32 bank's
+    assert bank.prepare(users[0]).nbytes * 2 == wide_bank.prepare(users[0]).nbytes
+    wide_bank.close()
+    slots = [bank.take_slot(u) for u in users]
+    entries = [(len(t), [(slots[i], 1.0)] if i < 2 else []) for i, t in enumerate(seq_tokens)]
+    bctx, nctx = _f32_ctx(model, bank.callback), _f32_ctx(model)
+    try:
+        bctx.handle.set_adapters([bank.adapter.handle], [1.0])
+        n = sum(len(t) for t in seq_tokens)
+        got = _every_logit(bctx, seq_tokens, lambda: bank.set_plan(token_scales(bank, entries), np.ones(n, bool)))
+        bank.check()
+        base = _every_logit(nctx, seq_tokens)
+        for i, u in enumerate(users):
+            wide = LoRAAdapter(model, write_adapter(tmp_path / f"w{i}.gguf", "llama", u.all_factors(), 4.0), f"w{i}")
+            nctx.handle.set_adapters([wide.handle], [1.0])
+            want = _every_logit(nctx, seq_tokens)[i]
+            nctx.handle.set_adapters([u.handle], [1.0])
+            floor = float(np.abs(_every_logit(nctx, seq_tokens)[i] - want).max())
+            nctx.handle.set_adapters([], [])
+            wide.close()
+            effect = float(np.abs(want - base[i]).max())
+            diff = float(np.abs(got[i] - want).max())
+            assert floor > 0 and effect > 50 * floor, (i, effect, floor)
+            assert diff <= 4 * floor, f"sequence {i}: F16 bank vs F32 reference {diff:.3g}, F16 rounding {floor:.3g}"
+        for i in range(2, len(seq_tokens)):
+            assert np.array_equal(got[i], base[i]), f"sequence {i} without an adapter is not exactly the base"
+    finally:
+        bctx.close()
+        nctx.close()
+        for u in users:
+            u.close()
+        bank.close()
+
+
 # ------------------------------------------------------------------ numeric safety
 
 def test_garbage_in_an_unused_slot_never_reaches_any_sequence(setup):

@@ -104,3 +104,32 @@ def test_bank_size_follows_parallel_and_the_start_adapters_ranks(tmp_path):
     assert (opts.slots, opts.slot_rank) == (6, 16)  # the rank-12 file, rounded up; the remote one unread
     opts = ServerSettings(parallel=6, slots=2, slot_rank=32, loras=loras).engine_options()
     assert (opts.slots, opts.slot_rank) == (2, 32)  # given values win
+
+
+def test_bank_dtype_f16_reaches_the_bank_from_the_command_line(tiny_model, tmp_path):
+    """`loramux serve --bank-dtype f16` builds the bank with F16 factors, and requests on two adapters share
+    decodes through it; an unknown type and f16 with --deterministic are refused, naming the option."""
+    from loramux.cli import build_parser
+    from loramux.cli.serve import settings_from_args
+    from loramux.engine.options import EngineOptions
+    from loramux.errors import ParameterError
+    from loramux.ggml_types import F16
+
+    ap = build_parser()
+    files = [write_adapter(tmp_path / f"{n}.gguf", "llama", random_factors(rank=4, seed=70 + i, scale=0.4), 4.0)
+             for i, n in enumerate("AB")]
+    args = ["serve", str(tiny_model), "--parallel", "2", "--bank-dtype", "f16", "--n-ctx", "128"]
+    opts = settings_from_args(ap.parse_args(args + [f"--lora={p.stem}={p}" for p in files])).engine_options()
+    assert opts.bank_dtype == "f16" and opts.slots == 2
+    assert settings_from_args(ap.parse_args(["serve"])).engine_options().bank_dtype == "f32"
+    with pytest.raises(SystemExit):
+        ap.parse_args(["serve", "--bank-dtype", "q8_0"])
+    with pytest.raises(ParameterError, match="bank_dtype"):
+        EngineOptions(bank_dtype="f16", deterministic=True)
+    loras = [lm.LoraSpec(str(p), 0.0, name=p.stem) for p in files]
+    with lm.Engine.load(tiny_model, options=opts, n_threads=1, loras=loras) as eng:
+        types = {eng.bank.adapter.factor_tensors()[t].type for t in eng.bank.targets}
+        assert types == {F16}, types
+        toks = eng.tokenize("the cat sat on the mat")
+        done = eng.generate_many([toks, toks], loras=[{"A": 1.0}, {"B": 1.0}], max_tokens=6, ignore_eos=True)
+        assert [len(c.tokens) for c in done] == [6, 6] and eng.stats().bank_decodes > 0

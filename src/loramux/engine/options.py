@@ -24,6 +24,7 @@ KV_TYPES = ("f16", "f32", "bf16", "q8_0")
 #: Default bound of the slot bank's warm tier (engine/residency.py): ~65 rank-8 F32 adapters of Gemma 3 270M.
 DEFAULT_ADAPTER_CACHE_BYTES = 512 * 2**20
 BANK_NODE_ACCESS = ("auto", "device")  # see SlotBank: in place on host memory, else row transfers
+BANK_DTYPES = ("f32", "f16")  # the slot bank's factor type (F16: half the bytes per step and per slot write)
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,9 @@ class EngineOptions:
     n_threads: CPU threads (None: all available). n_gpu_layers: layers offloaded on a GPU build.
     use_mmap / use_mlock: how the weights are mapped. flash_attn / kv_unified / kv_type: llama.cpp's
     attention and KV-cache settings. slots / slot_rank: the slot bank (0 slots: none). adapter_cache_bytes:
-    the bank's warm tier, prepared slot blocks in host RAM (0: none; see engine/residency.py). deterministic:
+    the bank's warm tier, prepared slot blocks in host RAM (0: none; see engine/residency.py). bank_dtype:
+    the bank's factor type, "f32" or "f16" (half the bytes a masked decode reads and a slot write copies;
+    llama.cpp then multiplies with activations rounded to F16, so results move by F16 rounding). deterministic:
     batch-invariant serving (see README, "Deterministic mode"). rpc: llama.cpp RPC workers
     ("host:port", from `loramux rpc-worker`) that hold the base model's layers (see engine/rpc.py).
     score_rows: full-vocabulary logit rows one decode may compute for prompt scoring while no other request
@@ -63,6 +66,7 @@ class EngineOptions:
     slot_rank: int = 16
     adapter_cache_bytes: int = DEFAULT_ADAPTER_CACHE_BYTES
     bank_node_access: str = "auto"
+    bank_dtype: str = "f32"
     deterministic: bool = False
     kv_type: str = "f16"
     rpc: tuple[str, ...] = ()
@@ -100,6 +104,11 @@ class EngineOptions:
         if self.bank_node_access not in BANK_NODE_ACCESS:
             problems.append(("bank_node_access", f"must be one of {', '.join(BANK_NODE_ACCESS)} "
                                                  f"(got {self.bank_node_access!r})"))
+        if self.bank_dtype not in BANK_DTYPES:
+            problems.append(("bank_dtype", f"must be one of {', '.join(BANK_DTYPES)} (got {self.bank_dtype!r})"))
+        if self.deterministic and self.bank_dtype != "f32":
+            problems.append(("bank_dtype", "must be f32 in deterministic mode (its batch invariance is "
+                                           f"checked with F32 factors; got {self.bank_dtype!r})"))
         if self.kv_type not in KV_TYPES:
             problems.append(("kv_type", f"must be one of {', '.join(KV_TYPES)} (got {self.kv_type!r})"))
         if problems:
@@ -183,5 +192,5 @@ def check_deterministic(model: Model | None, flash_attn: bool, kv_unified: bool)
                              hint="use Engine.load(..., deterministic=True), which sets all of this up")
 
 
-__all__ = ["BANK_NODE_ACCESS", "DEFAULT_ADAPTER_CACHE_BYTES", "EngineOptions", "KV_TYPES", "bank_size",
+__all__ = ["BANK_DTYPES", "BANK_NODE_ACCESS", "DEFAULT_ADAPTER_CACHE_BYTES", "EngineOptions", "KV_TYPES", "bank_size",
            "check_deterministic", "parse_endpoint", "parse_endpoints"]

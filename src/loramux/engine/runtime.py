@@ -66,7 +66,8 @@ class Engine:
         self.registry = Registry()
         # The slot bank's per-token masks need the batch's token order in every node: a unified KV
         # cache and one ubatch per decode (see bank.py).
-        self.bank = (SlotBank(model, opts.slots, opts.slot_rank, node_access=opts.bank_node_access,
+        self.bank = (SlotBank(model, opts.slots, opts.slot_rank, dtype=opts.bank_dtype,
+                              node_access=opts.bank_node_access,
                               cache_bytes=opts.adapter_cache_bytes, run=self.call) if opts.slots else None)
         self.deterministic = opts.deterministic
         if opts.deterministic:
