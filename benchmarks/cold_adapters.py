@@ -137,6 +137,9 @@ def main() -> None:
     ap.add_argument("--unique-prompts", action="store_true",
                     help="every request's prompt starts with its own number, so no request reuses another's KV "
                          "cache (by default 4 prompts repeat, and the servers with fewer adapters reuse more)")
+    ap.add_argument("--bank-dtypes", default="f32",
+                    help="the bank's factor types to run the banked servers with, side by side (f32, f16 or "
+                         "f32,f16; default f32, what serve uses)")
     ap.add_argument("--profile-load", action="store_true",
                     help="only time the parts of one cold load in process (parse, llama.cpp load, discovery, free)")
     args = ap.parse_args()
@@ -156,31 +159,38 @@ def main() -> None:
     common = [sys.executable, "-m", "loramux", "serve", str(model), "--n-ctx", "512", "--threads",
               str(args.threads), "--parallel", str(args.parallel), "--public-metrics"]
     res: dict[str, Any] = {"1": bench("1 adapter", [*common, "--lora", f"a0={one}"], 1, args)}
-    if args.loaded_reference:  # every adapter loaded and in a slot: what the slot bank alone costs
-        ref = link_dir(work, one, args.loaded_reference)
-        res["loaded"] = bench(f"{args.loaded_reference} loaded", [*common, *[
-            x for k in range(args.loaded_reference) for x in ("--lora", f"a{k}={ref / f'a{k}.gguf'}")]],
-            args.loaded_reference, args)
+    dtypes = [d for d in args.bank_dtypes.split(",") if d]
+    ref = link_dir(work, one, args.loaded_reference) if args.loaded_reference else None
     scans = {}
-    for n in counts:
-        t0 = time.perf_counter()
-        scan([str(dirs[n])])
-        scans[n] = (time.perf_counter() - t0) / n * 1e6
-        res[str(n)] = bench(f"{n} registered", [*common, "--lora-dir", str(dirs[n]), "--max-loaded",
-                                                 str(MAX_LOADED)], n, args)
-    report(res, counts, scans, args)
+    for dt in dtypes:
+        banked = [*common, "--bank-dtype", dt]
+        if ref is not None:  # every adapter loaded and in a slot: what the slot bank alone costs
+            res[f"loaded/{dt}"] = bench(f"{args.loaded_reference} loaded, {dt} bank", [*banked, *[
+                x for k in range(args.loaded_reference) for x in ("--lora", f"a{k}={ref / f'a{k}.gguf'}")]],
+                args.loaded_reference, args)
+        for n in counts:
+            t0 = time.perf_counter()
+            scan([str(dirs[n])])
+            scans[n] = (time.perf_counter() - t0) / n * 1e6
+            res[f"{n}/{dt}"] = bench(f"{n} registered, {dt} bank", [*banked, "--lora-dir", str(dirs[n]),
+                                                                     "--max-loaded", str(MAX_LOADED)], n, args)
+    report(res, counts, dtypes, scans, args)
     info["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     print(f"load average at the end: {info['loadavg_end']}")
     dump_json(args.json, {"machine": info, "results": res, "scan_us": scans, "args": vars(args)})
 
 
-def report(res: dict[str, Any], counts: list[int], scans: dict[int, float], args: argparse.Namespace) -> None:
+def report(res: dict[str, Any], counts: list[int], dtypes: list[str], scans: dict[int, float],
+           args: argparse.Namespace) -> None:
     base = res["1"]
     rows = []
-    for key in ["1", *(["loaded"] if "loaded" in res else []), *map(str, counts)]:
+    keys = ["1"] + [k for dt in dtypes for k in [f"loaded/{dt}", *(f"{n}/{dt}" for n in counts)] if k in res]
+    for key in keys:
         r = res[key]
-        label = {"1": "1", "loaded": f"{args.loaded_reference} (--lora, all in slots)"}.get(key)
-        rows.append([label or f"{int(key):,} (--lora-dir)", f"{r['tok_s']:.1f}",
+        what, _, dt = key.partition("/")
+        label = "1" if key == "1" else (f"{args.loaded_reference} (--lora, all in slots)" if what == "loaded"
+                                        else f"{int(what):,} (--lora-dir)") + (f", {dt} bank" if len(dtypes) > 1 else "")
+        rows.append([label, f"{r['tok_s']:.1f}",
                      f"{r['tok_s'] / base['tok_s']:.2f}", f"{r['ttft_p50']:.2f} / {r['ttft_p99']:.2f}",
                      f"{r['gap_max_ms']:.1f} / {r['gap_p99_ms']:.1f}", f"{r['evictions']:.0f}",
                      f"{r['rss_mb']:.0f}", f"{r['startup_s']:.2f}"])
@@ -191,7 +201,7 @@ def report(res: dict[str, Any], counts: list[int], scans: dict[int, float], args
                  "evictions", "RSS (MB)", "start (s)"], rows)
     rows = []
     for n in counts:
-        r = res[str(n)]
+        r = res[f"{n}/{dtypes[0]}"]
         rows.append([f"{n:,}", f"{(r['startup_s'] - base['startup_s']) / n * 1e6:.0f}", f"{scans[n]:.1f}",
                      f"{r['models'][0] / 1e3:.0f} kB, {r['models'][1]:.1f} ms",
                      f"{r['metrics'][0] / 1e3:.0f} kB, {r['metrics'][1]:.1f} ms"])

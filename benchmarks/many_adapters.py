@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import tempfile
 import time
@@ -252,6 +253,9 @@ def main() -> None:
     ap.add_argument("--baseline-src", default=None,
                     help="also serve from this source tree (a `src` folder of another loramux checkout) beside "
                          "this one, cell by cell and repeat by repeat, and print both side by side")
+    ap.add_argument("--server-args", default="", metavar="OPTIONS",
+                    help="extra `loramux serve` options for this tree's server, e.g. '--bank-dtype f16'; with "
+                         "them and no --baseline-src, this tree with its defaults is the baseline")
     ap.add_argument("--plot", default=str(REPO_ROOT / "benchmarks" / "results" / "many_adapters.png"),
                     help="where to write the throughput plot ('' = none)")
     ap.add_argument("--slot-loads", action="store_true",
@@ -281,9 +285,10 @@ def main() -> None:
         loras = [x for k, a in enumerate(ads) for x in ("--lora", f"a{k}={a}")] if n < args.cold_from else [
             "--lora-dir", str(link_dir(work, all_adapters[0], n)), "--max-loaded", str(COLD_MAX_LOADED)]
         serve = ["-m", "loramux", "serve", str(model), *common, "--public-metrics", *loras]
-        systems = [("loramux", [sys.executable, *serve], "loramux")]
-        if args.baseline_src:  # the same server from another source tree, run beside this one
-            systems.append((BASELINE, ["env", f"PYTHONPATH={args.baseline_src}", sys.executable, *serve], "loramux"))
+        systems = [("loramux", [sys.executable, *serve, *shlex.split(args.server_args)], "loramux")]
+        if args.baseline_src or args.server_args:  # another tree or other options, run beside this one
+            env = ["env", f"PYTHONPATH={args.baseline_src}"] if args.baseline_src else []
+            systems.append((BASELINE, [*env, sys.executable, *serve], "loramux"))
         got = bench_systems(systems, ads, args)
         for label in got:
             results[label][n] = got[label]
@@ -292,7 +297,7 @@ def main() -> None:
                   str(args.parallel), "-c", str(512 * args.parallel), "--no-webui", "--lora", ",".join(ads)]
             results["llama-server"][n] = bench_systems([("llama-server", ls, "llama-server")], ads, args)["llama-server"]
     report(results, counts, args)
-    if args.baseline_src:
+    if args.baseline_src or args.server_args:
         report_baseline(results, counts, args)
     if args.plot:
         plot(results, counts, args, Path(args.plot))
@@ -346,7 +351,8 @@ def report(results: dict[str, dict[int, Any]], counts: list[int], args: argparse
 
 
 def report_baseline(results: dict[str, dict[int, Any]], counts: list[int], args: argparse.Namespace) -> None:
-    """--baseline-src: the same figures for both trees, run side by side, ratios against each one's reference."""
+    """--baseline-src / --server-args: the same figures for both servers, run side by side, ratios against each
+    one's reference."""
     ref_n = args.reference if args.reference in counts else counts[0]
     for dist in args.dists:
         rows = []
@@ -363,7 +369,9 @@ def report_baseline(results: dict[str, dict[int, Any]], counts: list[int], args:
                              f"{_med(c['all_ttft_p99']) / _med(ref['all_ttft_p99']):.2f}",
                              f"{c.get('slot_wait_max_steps', float('nan')):.0f}",
                              f"{c.get('bank_share', float('nan')):.2f}"])
-        print_table(f"{dist}: this tree against --baseline-src, side by side (medians of {max(1, args.repeats)} "
+        this = f"this tree with {args.server_args}" if args.server_args else "this tree"
+        other = f"--baseline-src {args.baseline_src}" if args.baseline_src else "its defaults"
+        print_table(f"{dist}: {this} ('loramux') against {other}, side by side (medians of {max(1, args.repeats)} "
                     f"repeats; ratios against {ref_n} adapters)",
                     ["server", "adapters", "tok/s", f"vs {ref_n}", "TTFT p50 / p99 (s)", f"TTFT vs {ref_n}",
                      "slot wait max steps", "bank decodes"], rows)
