@@ -19,7 +19,16 @@ from test_server import serving
 
 import loramux as lm
 from loramux.cli.serve import add_parsers, settings_from_args
-from loramux.engine.fairness import HEAVY_GRAMMAR, PREFILL_STEP_TOKENS, held, slot_limit, step_share
+from loramux.engine.fairness import (
+    HEAVY_GRAMMAR,
+    PREFILL_STEP_TOKENS,
+    TURN_WEIGHT,
+    StepClock,
+    held,
+    slot_limit,
+    step_share,
+    turn_every,
+)
 from loramux.engine.request import Request
 from loramux.errors import ParameterError
 
@@ -294,6 +303,8 @@ def test_a_long_prompt_goes_in_pieces_and_turns_beside_a_decoding_neighbour(tiny
             time.sleep(0.002)
         long = eng.submit(toks, max_tokens=1, temperature=0)
         assert len(_tokens(n)) == 48 and len(_tokens(long)) == 1
+        clock = eng.scheduler.clock  # what the turns are weighed by, measured as the engine ran
+        assert clock.step_s > 0 and clock.token_s > 0, (clock.step_s, clock.token_s)
     near, far = n.seq, long.seq
     shared = [c for c in seen if c[near]]  # the neighbour's steps
     took = [c[far] for c in shared if c[far]]
@@ -329,6 +340,39 @@ def test_which_requests_take_turns():
     costly = dataclasses.replace(cheap, grammar=_Spent(4 * step * HEAVY_GRAMMAR * 1.1))
     assert not held(cheap, 16, step) and held(costly, 16, step)
     assert not held(dataclasses.replace(costly, generated=[]), 16, step)  # nothing measured yet
+
+
+def test_turns_are_weighed_by_what_a_step_of_the_request_costs():
+    """`turn_every`: a request that takes turns takes one step of every 1 + TURN_WEIGHT × (its cost per step /
+    a neighbour's step alone), at least request_step_every. A costly grammar's cost is its time per token
+    plus the row its token adds to a step; a long prompt's, what its next piece adds. Others: every step."""
+    clock = StepClock()
+    for _ in range(60):
+        clock.observe(0.02, 1, 0)  # a neighbour alone: 20 ms
+        clock.observe(0.036, 2, 0)  # a second token adds 16 ms
+        clock.observe(0.02 + 16 * 0.005, 17, 16)  # a 16-token piece beside it adds 5 ms a token
+    assert clock.one_s == pytest.approx(0.02, rel=1e-2) and clock.row_s == pytest.approx(0.016, rel=5e-2)
+    assert clock.token_s == pytest.approx(0.005, rel=0.3)
+    clock.step_s, clock.one_s, clock.row_s, clock.token_s = 0.02, 0.02, 0.016, 0.0049  # exact from here on
+    gen = [1, 2, 3, 4]
+    plain = _Req(None, n_past=3, pending=5, prompt=[1] * 3, generated=gen)
+    assert turn_every(plain, 16, clock, 2) == 1
+    assert turn_every(_Req(object()), 16, clock, 2) == 2  # a party of several: request_step_every
+    heavy = dataclasses.replace(plain, grammar=_Spent(4 * 0.078))  # 78 ms a token, + 16 ms for its row
+    assert turn_every(heavy, 16, clock, 2) == 11 and TURN_WEIGHT == 2  # ceil(1 + 2 × 94 / 20)
+    light = dataclasses.replace(plain, grammar=_Spent(4 * 0.02 * HEAVY_GRAMMAR * 1.1))  # 5.5 ms a token
+    assert turn_every(light, 16, clock, 2) == 4  # ceil(1 + 2 × 21.5 / 20)
+    clock.row_s = 0.0  # a device where a second row costs nothing: the turns of request_step_every
+    assert turn_every(light, 16, clock, 2) == 2
+    clock.row_s = 0.016
+    long = _Req(None, prompt=[1] * 300)
+    assert turn_every(long, 16, clock, 2) == 9  # ceil(1 + 2 × 16 × 4.9 ms / 20 ms)
+    assert turn_every(long, 16, StepClock(), 2) == 2  # nothing measured yet
+    seqs = [plain, heavy, dataclasses.replace(heavy, grammar=_Spent(0.0), party=object())]
+    served = [step_share(seqs, seqs, 1, step, 2, lambda r: turn_every(r, 16, clock, 2)) for step in range(18)]
+    assert all(plain in got for got in served)
+    assert [i for i, got in enumerate(served) if heavy in got] == [0, 11]
+    assert [i for i, got in enumerate(served) if seqs[2] in got] == list(range(0, 18, 2))
 
 
 def test_prefill_step_tokens_is_a_serve_option_and_is_checked():

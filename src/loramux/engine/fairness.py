@@ -25,12 +25,20 @@ more than a sequence of its own would (`held`):
 - **a costly grammar**: one whose checks and passes took, per token so far, more than `HEAVY_GRAMMAR` of a
   decode step (500 choices: 10-45 ms a token beside 22 ms steps).
 
+Their turns are weighed by their cost (`turn_every`): such a request takes part in one step of every
+1 + `TURN_WEIGHT` × (the engine time it adds to a step it is in, over a neighbour's step alone), at least
+`request_step_every`. A neighbour then pays, per token of its own, under 1/`TURN_WEIGHT` of a step for it,
+whatever the grammar costs: a FunctionGemma tool grammar of 40-70 ms a token beside 20-25 ms steps takes
+about one step of eight, not one of two. The costs are measured as the engine runs (`StepClock`): a
+decode step alone, what each further token adds to it, and what a prompt token adds.
+
 None of them changes what a sequence computes (its own tokens, sampler and seed), only when; in deterministic
 mode the tokens are then identical, elsewhere as identical as any change of batch composition leaves them.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Protocol, TypeVar
 
@@ -39,6 +47,8 @@ from typing import Protocol, TypeVar
 PREFILL_STEP_TOKENS = 16
 # a grammar whose engine time per token exceeds this fraction of a decode step takes turns beside others
 HEAVY_GRAMMAR = 0.25
+# a request that takes turns takes part in one step of every 1 + TURN_WEIGHT × (its cost per step / a step)
+TURN_WEIGHT = 2.0
 
 
 class Spends(Protocol):
@@ -99,6 +109,47 @@ def held(r: Member, prefill_step_tokens: int, step_s: float) -> bool:
     return g is not None and bool(r.generated) and g.spent / len(r.generated) > HEAVY_GRAMMAR * step_s
 
 
+class StepClock:
+    """What the turns are weighed by, measured as the engine runs (averages over about 8 steps): `step_s`,
+    seconds of a decode step of decode tokens only; `one_s`, of such a step of one token (a neighbour's step
+    alone); `row_s`, what each further decode token adds to one (on a CPU about a whole step, where each
+    row's output projection is most of it; on a GPU nearly nothing); `token_s`, what a prompt token adds."""
+
+    def __init__(self) -> None:
+        self.step_s = 0.0
+        self.one_s = 0.0
+        self.row_s = 0.0
+        self.token_s = 0.0
+
+    def observe(self, seconds: float, tokens: int, prompt_tokens: int) -> None:
+        """One decode of `tokens` tokens, `prompt_tokens` of them prompt tokens, took `seconds`."""
+        if prompt_tokens == 0:
+            self.step_s += (seconds - self.step_s) / 8
+            if tokens == 1:
+                self.one_s += (seconds - self.one_s) / 8
+            elif self.one_s > 0:
+                self.row_s += (max(0.0, seconds - self.one_s) / (tokens - 1) - self.row_s) / 8
+        elif self.step_s > 0:
+            self.token_s += (max(0.0, seconds - self.step_s) / prompt_tokens - self.token_s) / 8
+
+
+def turn_every(r: Member, prefill_step_tokens: int, clock: StepClock, every: int) -> int:
+    """1 when `r` does not take turns (`held`), else the steps from one of its turns to the next: `every`,
+    or more for a request whose step costs more: 1 + TURN_WEIGHT × its cost per step over a neighbour's step
+    alone. That cost is its grammar's time per token with the row its token adds, or what its next prompt
+    piece adds. A neighbour then pays, per token of its own, under 1/TURN_WEIGHT of a step for it."""
+    if not held(r, prefill_step_tokens, clock.step_s):
+        return 1
+    base = clock.one_s or clock.step_s
+    if base <= 0:
+        return every
+    grammar = r.grammar.spent / len(r.generated) if r.grammar is not None and r.generated else 0.0
+    cost = grammar + clock.row_s if grammar > HEAVY_GRAMMAR * clock.step_s else 0.0  # a costly one only
+    if len(r.prompt) - r.n_past > prefill_step_tokens:
+        cost = max(cost, prefill_step_tokens * clock.token_s)
+    return max(every, math.ceil(1 + TURN_WEIGHT * cost / base))
+
+
 def prompt_cap(r: Member, running: Sequence[Member], prefill_step_tokens: int, chunk_tokens: int = 0
                ) -> int | None:
     """The most prompt tokens of `r` one decode step may take: `prefill_step_tokens` while a request of
@@ -111,21 +162,20 @@ def prompt_cap(r: Member, running: Sequence[Member], prefill_step_tokens: int, c
 
 
 def step_share(members: list[M], running: Sequence[Member], per_step: int, step: int,
-               every: int = 1, holds: Callable[[M], bool] | None = None) -> list[M]:
+               every: int = 1, spacing: Callable[[M], int] | None = None) -> list[M]:
     """The members decode step `step` serves: all of them when one party runs alone, else at most
     `per_step` of each party's, in turn (the window moves on by `per_step` each step the party takes), and
-    those `holds` holds back (by default the sequences of a party of several) only in one step of every
-    `every`."""
+    those that take turns only in their turns: a member `m` with `spacing(m)` = n > 1 in one step of every
+    n (by default the sequences of a party of several, n = `every`)."""
     parties = {id(party_of(q)) for q in running}
     if len(parties) < 2:
         return members
     turn = step
     if every > 1:
         turn = step // every
-        holds = holds or (lambda r: r.party is not None)
-        others = [r for r in members if not holds(r)]  # never held back
-        if step % every and others:
-            members = others
+        gap = spacing or (lambda r: every if r.party is not None else 1)
+        if any(gap(r) == 1 for r in members):  # someone never held back: the others only in their turns
+            members = [r for r in members if step % gap(r) == 0]
     by_party: dict[int, list[M]] = {}
     for r in members:
         by_party.setdefault(id(party_of(r)), []).append(r)
@@ -139,5 +189,5 @@ def step_share(members: list[M], running: Sequence[Member], per_step: int, step:
     return [r for r in members if id(r) in chosen]
 
 
-__all__ = ["HEAVY_GRAMMAR", "PREFILL_STEP_TOKENS", "Member", "Spends", "held", "over_slots", "party_of",
-           "prompt_cap", "slot_limit", "step_share"]
+__all__ = ["HEAVY_GRAMMAR", "PREFILL_STEP_TOKENS", "TURN_WEIGHT", "Member", "Spends", "StepClock", "held",
+           "over_slots", "party_of", "prompt_cap", "slot_limit", "step_share", "turn_every"]

@@ -18,7 +18,15 @@ from typing import Any
 from .. import _native as N
 from ..errors import LoramuxError, RequestFailed
 from .bank import SlotBank
-from .fairness import PREFILL_STEP_TOKENS, held, over_slots, prompt_cap, slot_limit, step_share
+from .fairness import (
+    PREFILL_STEP_TOKENS,
+    StepClock,
+    over_slots,
+    prompt_cap,
+    slot_limit,
+    step_share,
+    turn_every,
+)
 from .kv_guard import KvGuard, may_leave_bad_values, read_bad_values_error
 from .linestops import LineStops
 from .model import Context, Model
@@ -51,7 +59,7 @@ class Scheduler:
         self.request_step_every = request_step_every  # ... and it takes one step in this many beside others
         self.prefill_step_tokens = prefill_step_tokens  # a long prompt's tokens per step beside a decode
         self.prefill_chunk_tokens = prefill_chunk_tokens  # ... and otherwise (0: the batch's room)
-        self.step_s = 0.0  # recent seconds of a decode step of decode tokens only (a costly grammar's measure)
+        self.clock = StepClock()  # a decode step's and a prompt token's recent cost (what turns are weighed by)
         self.ctx = ctx
         self.bank = bank
         # The guard checks KV writes through the bank's eval callback, one ubatch per decode on a unified
@@ -135,7 +143,7 @@ class Scheduler:
         group = self._pick_group(runnable)
         turn = step_share([r for r in runnable if r.phase_at(r.n_past).group_key == group], runnable,
                           self.request_step_seqs, self.stats.decode_steps, self.request_step_every,
-                          lambda r: held(r, self.prefill_step_tokens, self.step_s))
+                          lambda r: turn_every(r, self.prefill_step_tokens, self.clock, self.request_step_every))
         members, guarded = self._guard_plan(turn)
         if not members:
             return
@@ -148,8 +156,8 @@ class Scheduler:
             self.gaps.decoding()
             t0 = time.perf_counter()
             self._decode(entries, guarded, masked)
-            if self.ctx.batch.n == len(entries):  # decode tokens only: the step a costly grammar is weighed by
-                self.step_s += (time.perf_counter() - t0 - self.step_s) / 8
+            self.clock.observe(time.perf_counter() - t0, self.ctx.batch.n,
+                               sum(e.n_tokens for e in entries if e.n_tokens > 1))
         except Exception as e:  # noqa: BLE001 - the batch's requests fail; waiting ones and the engine go on
             err = e if isinstance(e, LoramuxError) else RequestFailed("decode", phase.adapters.as_dict(), e)
             for r, _ in plan:
