@@ -101,12 +101,13 @@ def held(r: Member, prefill_step_tokens: int, step_s: float) -> bool:
     """Does `r` take turns while another party runs? A sequence of a party of several, a request with more
     than `prefill_step_tokens` prompt tokens left, or one whose grammar took more than `HEAVY_GRAMMAR` of a
     decode step (`step_s` seconds) per token so far."""
-    if r.party is not None:
-        return True
-    if len(r.prompt) - r.n_past > prefill_step_tokens:
-        return True
-    g = r.grammar
-    return g is not None and bool(r.generated) and g.spent / len(r.generated) > HEAVY_GRAMMAR * step_s
+    return (r.party is not None or len(r.prompt) - r.n_past > prefill_step_tokens
+            or _grammar_per_token(r) > HEAVY_GRAMMAR * step_s)
+
+
+def _grammar_per_token(r: Member) -> float:
+    """Engine seconds `r`'s grammar took per token so far (0 without a grammar or a token)."""
+    return r.grammar.spent / len(r.generated) if r.grammar is not None and r.generated else 0.0
 
 
 class StepClock:
@@ -143,7 +144,7 @@ def turn_every(r: Member, prefill_step_tokens: int, clock: StepClock, every: int
     base = clock.one_s or clock.step_s
     if base <= 0:
         return every
-    grammar = r.grammar.spent / len(r.generated) if r.grammar is not None and r.generated else 0.0
+    grammar = _grammar_per_token(r)
     cost = grammar + clock.row_s if grammar > HEAVY_GRAMMAR * clock.step_s else 0.0  # a costly one only
     if len(r.prompt) - r.n_past > prefill_step_tokens:
         cost = max(cost, prefill_step_tokens * clock.token_s)
@@ -174,8 +175,9 @@ def step_share(members: list[M], running: Sequence[Member], per_step: int, step:
     if every > 1:
         turn = step // every
         gap = spacing or (lambda r: every if r.party is not None else 1)
-        if any(gap(r) == 1 for r in members):  # someone never held back: the others only in their turns
-            members = [r for r in members if step % gap(r) == 0]
+        gaps = [gap(r) for r in members]
+        if 1 in gaps:  # someone never held back: the others only in their turns
+            members = [r for r, n in zip(members, gaps) if step % n == 0]
     by_party: dict[int, list[M]] = {}
     for r in members:
         by_party.setdefault(id(party_of(r)), []).append(r)

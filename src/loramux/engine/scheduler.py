@@ -17,16 +17,9 @@ from typing import Any
 
 from .. import _native as N
 from ..errors import LoramuxError, RequestFailed
+from . import fairness
 from .bank import SlotBank
-from .fairness import (
-    PREFILL_STEP_TOKENS,
-    StepClock,
-    over_slots,
-    prompt_cap,
-    slot_limit,
-    step_share,
-    turn_every,
-)
+from .fairness import PREFILL_STEP_TOKENS, over_slots, prompt_cap, slot_limit, step_share
 from .kv_guard import KvGuard, may_leave_bad_values, read_bad_values_error
 from .linestops import LineStops
 from .model import Context, Model
@@ -59,7 +52,7 @@ class Scheduler:
         self.request_step_every = request_step_every  # ... and it takes one step in this many beside others
         self.prefill_step_tokens = prefill_step_tokens  # a long prompt's tokens per step beside a decode
         self.prefill_chunk_tokens = prefill_chunk_tokens  # ... and otherwise (0: the batch's room)
-        self.clock = StepClock()  # a decode step's and a prompt token's recent cost (what turns are weighed by)
+        self.clock = fairness.StepClock()  # a decode step's and a prompt token's recent cost (what turns are weighed by)
         self.ctx = ctx
         self.bank = bank
         # The guard checks KV writes through the bank's eval callback, one ubatch per decode on a unified
@@ -143,7 +136,7 @@ class Scheduler:
         group = self._pick_group(runnable)
         turn = step_share([r for r in runnable if r.phase_at(r.n_past).group_key == group], runnable,
                           self.request_step_seqs, self.stats.decode_steps, self.request_step_every,
-                          lambda r: turn_every(r, self.prefill_step_tokens, self.clock, self.request_step_every))
+                          lambda r: fairness.turn_every(r, self.prefill_step_tokens, self.clock, self.request_step_every))
         members, guarded = self._guard_plan(turn)
         if not members:
             return
@@ -156,7 +149,7 @@ class Scheduler:
             self.gaps.decoding()
             t0 = time.perf_counter()
             self._decode(entries, guarded, masked)
-            self.clock.observe(time.perf_counter() - t0, self.ctx.batch.n,
+            self.clock.observe(time.perf_counter() - t0, self.ctx.batch.n,  # (a 1-token chunk counts as decode)
                                sum(e.n_tokens for e in entries if e.n_tokens > 1))
         except Exception as e:  # noqa: BLE001 - the batch's requests fail; waiting ones and the engine go on
             err = e if isinstance(e, LoramuxError) else RequestFailed("decode", phase.adapters.as_dict(), e)
