@@ -133,3 +133,55 @@ def test_bank_dtype_f16_reaches_the_bank_from_the_command_line(tiny_model, tmp_p
         toks = eng.tokenize("the cat sat on the mat")
         done = eng.generate_many([toks, toks], loras=[{"A": 1.0}, {"B": 1.0}], max_tokens=6, ignore_eos=True)
         assert [len(c.tokens) for c in done] == [6, 6] and eng.stats().bank_decodes > 0
+
+
+def test_serve_bank_dtype_f16_serves_two_adapters_through_the_bank(tiny_model, tmp_path):
+    """`loramux serve MODEL --bank-dtype f16 --lora ... --lora ...` as a user types it: requests on the two
+    adapters, sent together, both complete and share decodes through the bank (its /metrics counter)."""
+    import os
+    import socket
+    import subprocess
+    import threading
+    import time
+
+    import httpx
+
+    files = [write_adapter(tmp_path / f"{n}.gguf", "llama", random_factors(rank=4, seed=80 + i, scale=0.4), 4.0)
+             for i, n in enumerate("AB")]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "loramux", "serve", str(tiny_model), "--bank-dtype", "f16", "--parallel", "2",
+           "--n-ctx", "256", "--threads", "1", "--port", str(port), "--public-metrics",
+           *(x for p in files for x in ("--lora", f"{p.stem}={p}"))]
+    proc = subprocess.Popen(cmd, env=dict(os.environ), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        got: dict[str, httpx.Response] = {}
+
+        def ask(name: str) -> None:
+            got[name] = httpx.post(url + "/v1/completions", timeout=120, json={
+                "model": name, "prompt": "the cat sat on the mat", "max_tokens": 24, "ignore_eos": True})
+
+        threads = [threading.Thread(target=ask, args=(n,)) for n in "AB"]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert {n: r.status_code for n, r in got.items()} == {"A": 200, "B": 200}, {n: r.text for n, r in got.items()}
+        assert all(r.json()["usage"]["completion_tokens"] == 24 for r in got.values())
+        metrics = httpx.get(url + "/metrics", timeout=30).text
+        banked = next(float(line.split()[1]) for line in metrics.splitlines()
+                      if line.startswith("loramux_bank_decodes_total "))
+        assert banked > 0, "the two adapters never shared a decode through the bank"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
