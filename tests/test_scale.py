@@ -137,11 +137,11 @@ def test_bank_dtype_f16_reaches_the_bank_from_the_command_line(tiny_model, tmp_p
 
 def test_serve_bank_dtype_f16_serves_two_adapters_through_the_bank(tiny_model, tmp_path):
     """`loramux serve MODEL --bank-dtype f16 --lora ... --lora ...` as a user types it: requests on the two
-    adapters, sent together, both complete and share decodes through the bank (its /metrics counter)."""
+    adapters, B sent while A is decoding, both complete and share decodes through the bank (its /metrics
+    counter)."""
     import os
     import socket
     import subprocess
-    import threading
     import time
 
     import httpx
@@ -152,7 +152,7 @@ def test_serve_bank_dtype_f16_serves_two_adapters_through_the_bank(tiny_model, t
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "loramux", "serve", str(tiny_model), "--bank-dtype", "f16", "--parallel", "2",
-           "--n-ctx", "256", "--threads", "1", "--port", str(port), "--public-metrics",
+           "--n-ctx", "512", "--threads", "1", "--port", str(port), "--public-metrics",
            *(x for p in files for x in ("--lora", f"{p.stem}={p}"))]
     proc = subprocess.Popen(cmd, env=dict(os.environ), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
@@ -165,19 +165,19 @@ def test_serve_bank_dtype_f16_serves_two_adapters_through_the_bank(tiny_model, t
                     break
             except httpx.HTTPError:
                 time.sleep(0.2)
-        got: dict[str, httpx.Response] = {}
-
-        def ask(name: str) -> None:
-            got[name] = httpx.post(url + "/v1/completions", timeout=120, json={
-                "model": name, "prompt": "the cat sat on the mat", "max_tokens": 24, "ignore_eos": True})
-
-        threads = [threading.Thread(target=ask, args=(n,)) for n in "AB"]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert {n: r.status_code for n, r in got.items()} == {"A": 200, "B": 200}, {n: r.text for n, r in got.items()}
-        assert all(r.json()["usage"]["completion_tokens"] == 24 for r in got.values())
+        # A streams a long answer; B is sent only once A's first token is out, so the two are decoding
+        # together whatever the machine's speed (sending both at once raced: B could finish first).
+        body = {"prompt": "the cat sat on the mat", "ignore_eos": True}
+        with httpx.stream("POST", url + "/v1/completions", timeout=120,
+                          json={**body, "model": "A", "max_tokens": 160, "stream": True}) as a:
+            assert a.status_code == 200
+            lines = a.iter_lines()
+            assert next(line for line in lines if line.startswith("data: {"))
+            b = httpx.post(url + "/v1/completions", timeout=120, json={**body, "model": "B", "max_tokens": 24})
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert b.status_code == 200, b.text
+        assert b.json()["usage"]["completion_tokens"] == 24
+        assert rest[-1] == "data: [DONE]" and len(rest) > 24, "A ended before B was served"
         metrics = httpx.get(url + "/metrics", timeout=30).text
         banked = next(float(line.split()[1]) for line in metrics.splitlines()
                       if line.startswith("loramux_bank_decodes_total "))
