@@ -14,15 +14,22 @@ import numpy as np
 from .. import _native as N
 from .factor_stage import FactorTensors
 
+# numpy gives the GIL away for a copy of more than 500 items (NPY_BEGIN_THREADS_THRESHOLDED). Taking it
+# back beside a busy Python thread (a load's parse, the event loop) waits for that thread's switch
+# interval (5 ms): a slot write of a few hundred such copies took 20-70 ms in a server loading cold
+# adapters, 360 ms beside a busy loop, against 2.5 ms quiet. Copies of at most this many items keep it.
+HELD_COPY_ITEMS = 500
+
 
 class SlotMemory:
     """The bank's slots as memory to copy slot blocks into (engine thread only).
 
     The bank's A (width, in) and B (out, width) of each target; slot k is rows [k·r, k·r + r) of A and
     the same columns of B. On host memory (the CPU backend) blocks are copied in with numpy, and only
-    the ranks that change: the block's, and zeros where the previous occupant was wider there. B's
-    column block is copied as one item of r_t values per output row (about 3× faster than a strided
-    float copy). Elsewhere (a device buffer) the whole slot, padded with zeros, in two transfers.
+    the ranks that change: the block's, and zeros where the previous occupant was wider there. A's rows
+    are copied as one item per row, B's column block as one item of r_t values per output row (about
+    3× faster than a strided float copy), at most HELD_COPY_ITEMS items per copy so that no copy gives
+    the GIL away. Elsewhere (a device buffer) the whole slot, padded with zeros, in two transfers.
     """
 
     def __init__(self, facs: Mapping[str, FactorTensors], targets: Sequence[str], slots: int, rank: int,
@@ -47,14 +54,19 @@ class SlotMemory:
                         N.host_bytes(pb[0], n_out * self.width * es).view(self.store).reshape(n_out, self.width))
         return views
 
+    def on_host(self) -> bool:
+        """Every target's factors are in host memory (numpy copies; no device transfers)."""
+        return len(self._host) == len(self.targets)
+
     def _slot_views(self, t: str, k: int, rt: int) -> tuple[np.ndarray, np.ndarray]:
         key = (t, k, rt)
         got = self._views.get(key)
         if got is None:
             va, vb = self._host[t]
             r0, es = k * self.r, self.store.itemsize
-            row = vb.view(np.uint8)[:, r0 * es:(r0 + rt) * es]
-            got = self._views[key] = (va[r0:r0 + rt], row.view(np.dtype((np.void, rt * es))))
+            rows = va[r0:r0 + rt].view(np.uint8).view(np.dtype((np.void, va.shape[1] * es))).reshape(rt)
+            col = vb.view(np.uint8)[:, r0 * es:(r0 + rt) * es]
+            got = self._views[key] = (rows, col.view(np.dtype((np.void, rt * es))))
         return got
 
     def put(self, k: int, t: str, block: tuple[np.ndarray, np.ndarray] | None) -> None:
@@ -69,8 +81,10 @@ class SlotMemory:
             va, vb = views
             if block is not None and rt:
                 sa, sb = self._slot_views(t, k, rt)
-                np.copyto(sa, block[0])
-                np.copyto(sb, block[1].view(sb.dtype))
+                np.copyto(sa, np.ascontiguousarray(block[0]).view(sa.dtype).reshape(rt))
+                src = block[1].view(sb.dtype)
+                for i in range(0, len(sb), HELD_COPY_ITEMS):
+                    np.copyto(sb[i:i + HELD_COPY_ITEMS], src[i:i + HELD_COPY_ITEMS])
             if old > rt:
                 va[r0 + rt:r0 + old] = 0
                 vb[:, r0 + rt:r0 + old] = 0
