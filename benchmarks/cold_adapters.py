@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import statistics
 import sys
 import tempfile
@@ -140,6 +141,8 @@ def main() -> None:
     ap.add_argument("--bank-dtypes", default="f32",
                     help="the bank's factor types to run the banked servers with, side by side (f32, f16 or "
                          "f32,f16; default f32, what serve uses)")
+    ap.add_argument("--server-args", default="", metavar="OPTIONS",
+                    help="more `loramux serve` options for every server, e.g. \"--background-nice 0\"")
     ap.add_argument("--profile-load", action="store_true",
                     help="only time the parts of one cold load in process (parse, llama.cpp load, discovery, free)")
     args = ap.parse_args()
@@ -157,7 +160,7 @@ def main() -> None:
     info = machine_info(args.threads)
     print_machine(info)
     common = [sys.executable, "-m", "loramux", "serve", str(model), "--n-ctx", "512", "--threads",
-              str(args.threads), "--parallel", str(args.parallel), "--public-metrics"]
+              str(args.threads), "--parallel", str(args.parallel), "--public-metrics", *shlex.split(args.server_args)]
     res: dict[str, Any] = {"1": bench("1 adapter", [*common, "--lora", f"a0={one}"], 1, args)}
     dtypes = [d for d in args.bank_dtypes.split(",") if d]
     ref = link_dir(work, one, args.loaded_reference) if args.loaded_reference else None
