@@ -77,7 +77,8 @@ class System:
 
 def build(args: argparse.Namespace, work: Path) -> tuple[list[System], list[System], Any]:
     from loramux.engine.adapters import LoRAAdapter
-    from loramux.engine.bank import SlotBank, plan_ubatches, token_scales
+    from loramux.engine.bank import SlotBank, token_scales
+    from loramux.engine.bank_masks import plan_ubatches
     from loramux.engine.kv_guard import KvGuard
     from loramux.engine.model import Context, ContextOptions, Model
     from loramux.gguf_io import read_header

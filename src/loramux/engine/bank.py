@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -42,16 +42,20 @@ from ..errors import AdapterError, BackendError, LoramuxError, SlotsBusyError
 from ..ggml_types import ELEMENT_SIZE
 from ..gguf_io import write_adapter
 from .adapters import LoRAAdapter
+from .bank_masks import Mask, MaskPlan, plan_ubatches
 from .factor_stage import FactorTensors, delta_bound_problems
 from .model import Context, Model
 from .options import BANK_NODE_ACCESS
 from .phases import BatchEntry
 from .registry import AdapterSet
 from .residency import DEFAULT_CACHE_BYTES, LruPolicy, Prefetcher, SlotBlocks, WarmCache
+from .slot_copier import SlotCopier
 from .slot_memory import SlotMemory
 
 PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 VIEW_CACHE_MAX = 4096  # cached node views (a few per graph shape); cleared when exceeded
+# Every value of B in the bank stays below this: finite at every instant of a background write (slot_copier.py)
+B_LIMIT = np.float32(2.0**127)
 SLOT_WAIT_STEPS = 32  # decode steps a request may wait for bank slots before no later request passes it
 
 
@@ -61,6 +65,7 @@ class _Slot:
     version: int = -1
     refs: int = 0
     pinned: bool = False
+    writing: bool = False  # being written on the copier's thread (slot_copier.py): nobody may take it
 
 
 @dataclass(frozen=True)
@@ -76,105 +81,6 @@ class Admission:
     slots: tuple[int, ...] = ()
     scales: tuple[tuple[tuple[int, float], ...], ...] = ()
     reason: str | None = None
-
-
-@dataclass
-class Mask:
-    """Mask values of one node shape: `values` (n_tok, width) and which entries are kept."""
-
-    values: np.ndarray
-    keep: np.ndarray = field(init=False)
-    drop: np.ndarray = field(init=False)
-    mode: int = field(init=False)  # 0: keep none, 1: keep all, 2: mixed
-    _segments: list[tuple[int, int, bool]] | None = field(init=False, default=None)
-
-    def __post_init__(self) -> None:
-        self.keep = self.values != 0
-        self.drop = ~self.keep
-        self.mode = 1 if self.keep.all() else 0 if not self.keep.any() else 2
-
-    def segments(self) -> list[tuple[int, int, bool]]:
-        """Runs [r0, r1) of token rows the mask changes, and whether each run must be read first.
-
-        A row whose every value is exactly 1 is left as it is (x·1 == x); a row that keeps nothing is
-        written as zeros without being read; the rest are read, masked and written back. Consecutive
-        rows of one kind form one run, so a device transfers each run in one call.
-        """
-        if self._segments is None:
-            identity = self.keep.all(axis=1) & (self.values == 1).all(axis=1)
-            kind = np.where(identity, 0, np.where(self.drop.all(axis=1), 1, 2))
-            edges = np.flatnonzero(np.diff(kind)) + 1
-            starts = np.concatenate(([0], edges)).astype(int)
-            ends = np.concatenate((edges, [len(kind)])).astype(int)
-            self._segments = [(int(a), int(b), bool(kind[a] == 2)) for a, b in zip(starts, ends)
-                              if len(kind) and kind[a] != 0]
-        return self._segments
-
-    def apply_rows(self, x: np.ndarray, r0: int, r1: int) -> None:
-        """`apply` for rows [r0, r1) only (x holds just those rows): the same operations, so the same bits."""
-        np.copyto(x, 0.0, where=self.drop[r0:r1])
-        x *= self.values[r0:r1]
-
-    def apply(self, x: np.ndarray) -> None:
-        """Set the dropped entries of `x` to exactly 0, then scale the kept ones, in place.
-
-        Zeroing first means no product ever meets an Inf or NaN of a dropped entry (x·0 would give NaN).
-        """
-        mode = self.mode
-        if mode == 2:
-            np.copyto(x, 0.0, where=self.drop)
-            x *= self.values
-        elif mode == 1:
-            x *= self.values
-        else:
-            x.fill(0.0)
-
-
-@dataclass
-class MaskPlan:
-    """Per-token masks of one decode, one (full, out) pair per ubatch in llama.cpp's processing order.
-
-    `full` has a row per token of the ubatch (in the ubatch's token order), `out` the rows of the
-    tokens that request logits (what remains in the last block).
-    """
-
-    ubatches: list[tuple[Mask, Mask]]
-    per_ubatch: int  # bank nodes each ubatch's graph holds
-    masked: int = 0
-    problems: list[str] = field(default_factory=list)
-
-
-def plan_ubatches(seq_ids: np.ndarray, n_ubatch: int, unified: bool) -> list[np.ndarray]:
-    """The batch indices of each ubatch, as llama.cpp's batch allocator will split this batch.
-
-    Unified KV cache: consecutive slices (`split_simple`). Otherwise `split_equal(sequential)`: each
-    ubatch takes runs of consecutive sequence ids and the same number of tokens from each, grouped
-    by sequence. One sequence per token (no coupled sequences), as the scheduler builds batches.
-    """
-    n = len(seq_ids)
-    if unified:
-        return [np.arange(i, min(i + n_ubatch, n)) for i in range(0, n, n_ubatch)]
-    used = np.zeros(n, bool)
-    out = []
-    while not used.all():
-        cur: list[int] = []
-        for i in range(n):
-            s = int(seq_ids[i])
-            if used[i] or s in cur or (cur and s != cur[-1] + 1):
-                continue
-            cur.append(s)
-            if len(cur) > n_ubatch:
-                break
-        queues = [[i for i in range(n) if not used[i] and seq_ids[i] == s] for s in cur]
-        per: list[list[int]] = [[] for _ in cur]
-        while all(len(q) > len(p) for q, p in zip(queues, per)):
-            for q, p in zip(queues, per):
-                p.append(q[len(p)])
-                used[q[len(p) - 1]] = True
-            if (len(per[0]) + 1) * len(cur) > n_ubatch:
-                break
-        out.append(np.array([i for p in per for i in p], dtype=np.int64))
-    return out
 
 
 class SlotBank:
@@ -218,6 +124,10 @@ class SlotBank:
         self._views: dict[tuple[int | None, int | None, int], np.ndarray | None] = {}
         self.writes = 0
         self.memory = SlotMemory(self._facs, self.targets, slots, rank, self._store)
+        # host memory: while sequences decode, slot writes run on a thread of their own (slot_copier.py)
+        self.copier = SlotCopier(self.memory) if self.memory.on_host() else None
+        self._failed: dict[int, BackendError] = {}  # adapter uid → its background write's error
+        self._pending: dict[int, LoRAAdapter] = {}  # slot → the adapter being written into it
         self.warm = WarmCache(cache_bytes)
         self._run = run or (lambda fn: fn())
         self.prefetcher = Prefetcher(self.warm, self.prepare, self._keep_warm)
@@ -237,11 +147,13 @@ class SlotBank:
         """Can this adapter live in a slot (every rank ≤ r, every target a bank projection)?"""
         return self.refusal(adapter) is None
 
-    def take_slots(self, sets: Sequence[AdapterSet]) -> Admission | None:
+    def take_slots(self, sets: Sequence[AdapterSet], *, background: bool = False) -> Admission | None:
         """Decide how a request whose phases use `sets` is served, and take its slots.
 
         Banked when every adapter fits a slot and there are at most K of them: then every slot is
         taken (written now if needed) or none is, and None means "wait, the slots are busy".
+        `background` (sequences are decoding): a slot that needs writing is written on the copier's
+        thread instead, and this request waits (None) until it is in; on a device, always now.
         Otherwise an unbanked Admission with the reason. A failed slot write raises (AdapterError when
         the factors do not fit, BackendError when writing failed; both name the adapter); the slots
         taken so far are given back and the failed slot is left empty.
@@ -256,7 +168,7 @@ class SlotBank:
         got: dict[int, int] = {}
         try:
             for uid, a in uniq.items():
-                k = self.take_slot(a)
+                k = self.take_slot(a, background=background)
                 if k is None:
                     break
                 got[uid] = k
@@ -278,15 +190,25 @@ class SlotBank:
                 return k
         return None
 
-    def take_slot(self, adapter: LoRAAdapter) -> int | None:
+    def take_slot(self, adapter: LoRAAdapter, *, background: bool = False) -> int | None:
         """A slot holding this adapter's current factors, now in use by one more request (written now if
-        needed: an empty idle slot, else the least recently used idle one); None if all are busy."""
+        needed: an empty idle slot, else the least recently used idle one); None if all are busy, or
+        (`background`) while its slot is being written on the copier's thread. Raises the typed error of
+        a background write that failed for this adapter."""
+        self.collect_writes(wait=not background)
+        if (err := self._failed.pop(adapter.uid, None)) is not None:
+            raise err
         k = self.slot_of(adapter)
         if k is None:
-            idle = [i for i, s in enumerate(self.slots) if s.refs == 0 and not s.pinned]
+            if any(s.writing for s in self.slots) and self._writing(adapter):
+                return None  # its copy is under way
+            idle = [i for i, s in enumerate(self.slots) if s.refs == 0 and not s.pinned and not s.writing]
             empty = [i for i in idle if self.slots[i].adapter is None]
             k = self.recency.victim(empty or idle)
             if k is None:
+                return None
+            if background and self.copier is not None:
+                self._write_behind(k, adapter)
                 return None
             self._write(k, adapter)
         self.slots[k].refs += 1
@@ -312,20 +234,54 @@ class SlotBank:
         for s in self.slots:
             if s.adapter is adapter:
                 s.adapter, s.version, s.pinned = None, -1, False
+        self._failed.pop(adapter.uid, None)
         self.warm.discard(adapter)
 
     def in_slots(self) -> list[str]:
         """Names of the adapters a slot holds."""
         return [s.adapter.name for s in self.slots if s.adapter is not None]
 
-    def _write(self, k: int, adapter: LoRAAdapter) -> None:
-        """Write `adapter` into slot k, all or nothing: checked completely first (or warm: checked when it
-        was prepared), then copied in."""
-        version = adapter.version
+    def _blocks(self, adapter: LoRAAdapter) -> SlotBlocks:
         blocks = self.warm.get(adapter)
         if blocks is None:
             blocks = self.prepare(adapter)  # raises before anything changed
             self.warm.put(blocks)
+        return blocks
+
+    def _write_behind(self, k: int, adapter: LoRAAdapter) -> None:
+        """Start writing `adapter` into slot k on the copier's thread (checked first, here: a bad adapter
+        raises now); the slot is empty and taken by nobody until `collect_writes` finds it done."""
+        blocks = self._blocks(adapter)
+        s = self.slots[k]
+        s.adapter, s.version, s.pinned, s.writing = None, -1, False, True
+        self._pending[k] = adapter
+        self.copier.submit(k, adapter, adapter.version, blocks)  # type: ignore[union-attr]
+
+    def _writing(self, adapter: LoRAAdapter) -> bool:
+        return any(a is adapter for a in self._pending.values())
+
+    def collect_writes(self, wait: bool = False) -> None:
+        """Take in the background writes that finished (engine thread); `wait`: first wait for all of them.
+        A slot whose adapter was unloaded or written in place meanwhile stays empty."""
+        if self.copier is None:
+            return
+        if wait:
+            self.copier.wait()
+        for done in self.copier.finished():
+            s = self.slots[done.k]
+            s.writing = False
+            self._pending.pop(done.k, None)
+            if done.error is not None:
+                self._failed[done.adapter.uid] = done.error
+            elif not done.adapter.handle.closed and done.adapter.version == done.version:
+                s.adapter, s.version = done.adapter, done.version
+                self.writes += 1
+
+    def _write(self, k: int, adapter: LoRAAdapter) -> None:
+        """Write `adapter` into slot k, all or nothing: checked completely first (or warm: checked when it
+        was prepared), then copied in."""
+        version = adapter.version
+        blocks = self._blocks(adapter)
         s = self.slots[k]
         s.adapter, s.version, s.pinned = None, -1, False  # empty from here until the last tensor is in
         try:
@@ -365,8 +321,8 @@ class SlotBank:
                     continue
                 a = np.ascontiguousarray(fa, self._store)
                 b = np.ascontiguousarray(fb * np.float32(adapter.tensor_scaling(t)), self._store)
-                if not (np.isfinite(a).all() and np.isfinite(b).all()):
-                    problems.append(f"{t}: not finite in the bank's {np.dtype(self._store).name} "
+                if not (np.isfinite(a).all() and (np.abs(b) < B_LIMIT).all()):
+                    problems.append(f"{t}: not finite (or B not below 2^127) in the bank's {np.dtype(self._store).name} "
                                     f"after scaling B by alpha/rank = {adapter.tensor_scaling(t):g}")
                 out[t] = (a, b)
         missing = [t for t in facs if t not in self._target_set]
@@ -551,6 +507,8 @@ class SlotBank:
                                hint="llama.cpp's graph no longer matches the bank plan; serve without slots")
 
     def close(self) -> None:
+        if self.copier is not None:
+            self.copier.close()
         self.prefetcher.close()
         self.memory.close()
         self.adapter.close()
@@ -579,5 +537,4 @@ def token_scales(bank: SlotBank, entries: Sequence[BatchEntry]) -> np.ndarray:
     return np.concatenate(rows) if rows else np.zeros((0, bank.K), np.float32)
 
 
-__all__ = ["SLOT_WAIT_STEPS", "Admission", "Mask", "MaskPlan", "SlotBank", "bank_info", "plan_ubatches",
-           "token_scales"]
+__all__ = ["B_LIMIT", "SLOT_WAIT_STEPS", "Admission", "SlotBank", "bank_info", "token_scales"]

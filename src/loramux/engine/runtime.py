@@ -73,7 +73,7 @@ class Engine:
         if opts.deterministic:
             check_deterministic(model, opts.flash_attn, opts.kv_unified)
         # Deterministic serving keeps one KV stream per sequence; the bank then plans its masks from
-        # llama.cpp's per-sequence ubatch split (bank.plan_ubatches).
+        # llama.cpp's per-sequence ubatch split (bank_masks.plan_ubatches).
         unified = opts.kv_unified or (self.bank is not None and not opts.deterministic)
         n_ctx, n_batch, n_parallel = opts.n_ctx, opts.n_batch, opts.n_parallel
         self._ctx_opts = ContextOptions(n_ctx=n_ctx * n_parallel if unified or n_parallel > 1 else n_ctx,

@@ -275,7 +275,8 @@ class Scheduler:
         """Let the bank admit the request (banked with its slots, or native); False: wait for slots."""
         if self.bank is None:
             return True
-        adm = self.bank.take_slots([ph.adapters for ph in r.phases])
+        # while others decode, a slot write runs beside their steps (slot_copier.py) and this request waits
+        adm = self.bank.take_slots([ph.adapters for ph in r.phases], background=bool(self.running))
         if adm is None:
             return False
         for i, ph in enumerate(r.phases):

@@ -1,0 +1,102 @@
+"""Slot writes beside running decodes (engine/slot_copier.py): a request whose adapter needs a slot while
+other sequences decode gets it written on the copier's thread; the others keep taking steps meanwhile,
+the results are the same bits as with the write done first, and a failed copy fails that request alone."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+from pathlib import Path
+
+import pytest
+from tinymodel import write_tiny_lora
+
+import loramux as lm
+from loramux.engine.request import Request
+from loramux.engine.slot_memory import SlotMemory
+from loramux.engine.streams import TextStream
+from loramux.errors import BackendError
+
+COPIER = "loramux-slot-copy"
+
+
+@pytest.fixture()
+def two(tmp_path: Path) -> tuple[Path, Path]:
+    return (write_tiny_lora(tmp_path / "p.gguf", rank=4, seed=21, scale=0.5),
+            write_tiny_lora(tmp_path / "q.gguf", rank=4, seed=22, scale=0.5))
+
+
+def _engine(model: Path, two: tuple[Path, Path]) -> lm.Engine:
+    eng = lm.Engine.load(model, n_ctx=512, n_parallel=2, slots=2, slot_rank=4, n_threads=1, deterministic=True)
+    eng.load_lora(two[0], "p")
+    eng.load_lora(two[1], "q")
+    return eng
+
+
+def _tokens(fut: Future[Request]) -> list[int]:
+    return list(TextStream(fut.result()).consume().tokens)
+
+
+def _until(cond, what: str) -> None:  # noqa: ANN001 - a predicate
+    deadline = time.monotonic() + 60
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.002)
+
+
+def test_a_slot_write_runs_beside_the_sequences_decoding(tiny_model, two, monkeypatch):
+    """While q's slot copy is held on the copier's thread, p's request keeps taking decode steps; then q's
+    request completes, both with the tokens they get when q's slot is written before p starts."""
+    entered, gate = threading.Event(), threading.Event()
+    where: list[str] = []
+    real = SlotMemory.put
+
+    def put(self, k, t, block):  # noqa: ANN001, ANN202 - SlotMemory.put's own signature
+        where.append(threading.current_thread().name)
+        if threading.current_thread().name == COPIER:
+            entered.set()
+            assert gate.wait(60)
+        return real(self, k, t, block)
+
+    with _engine(tiny_model, two) as eng:  # the reference: q's slot written first, nothing running
+        ref_q = eng.generate("the dog", loras={"q": 1.0}, max_tokens=6, temperature=0, ignore_eos=True).tokens
+        ref_p = eng.generate("the cat", loras={"p": 1.0}, max_tokens=60, temperature=0, ignore_eos=True).tokens
+    monkeypatch.setattr(SlotMemory, "put", put)
+    with _engine(tiny_model, two) as eng:
+        long = eng.submit_async("the cat", loras={"p": 1.0}, max_tokens=60, temperature=0, ignore_eos=True)
+        _until(lambda: eng.stats().decode_steps > 0, "p's request never decoded")
+        short = eng.submit_async("the dog", loras={"q": 1.0}, max_tokens=6, temperature=0, ignore_eos=True)
+        assert entered.wait(60), "q's slot was not written on the copier's thread"
+        steps = eng.stats().decode_steps
+        _until(lambda: eng.stats().decode_steps - steps >= 20, "p stopped decoding while q's slot was written")
+        gate.set()
+        got_q, got_p = _tokens(short), _tokens(long)
+        assert eng.bank is not None and eng.bank.writes == 2 and eng.bank.copier is not None
+    assert got_q == list(ref_q) and got_p == list(ref_p)
+    assert where.count(COPIER) == len(where) // 2  # p's write (nothing running) inline, q's on the copier
+
+
+def test_a_failed_copy_fails_its_request_alone_and_leaves_the_slot_free(tiny_model, two, monkeypatch):
+    """A copy that fails on the copier's thread: q's request fails with a BackendError naming q, p's goes
+    on to its end, and q's next request gets the (zeroed, free) slot written and completes."""
+    real = SlotMemory.put
+    failing = [True]
+
+    def put(self, k, t, block):  # noqa: ANN001, ANN202 - SlotMemory.put's own signature
+        if failing[0] and threading.current_thread().name == COPIER and block is not None:
+            raise OSError("simulated copy failure")
+        return real(self, k, t, block)
+
+    monkeypatch.setattr(SlotMemory, "put", put)
+    with _engine(tiny_model, two) as eng:
+        long = eng.submit_async("the cat", loras={"p": 1.0}, max_tokens=60, temperature=0, ignore_eos=True)
+        _until(lambda: eng.stats().decode_steps > 0, "p's request never decoded")
+        bad = eng.submit_async("the dog", loras={"q": 1.0}, max_tokens=6, temperature=0, ignore_eos=True)
+        with pytest.raises(BackendError, match="'q'.*simulated copy failure"):
+            _tokens(bad)
+        assert len(_tokens(long)) == 60
+        failing[0] = False
+        again = eng.generate("the dog", loras={"q": 1.0}, max_tokens=6, temperature=0, ignore_eos=True)
+        assert len(again.tokens) == 6
+        assert eng.bank is not None and "q" in eng.bank.in_slots()
