@@ -13,10 +13,12 @@ import pytest
 from tinymodel import write_tiny_lora
 
 import loramux as lm
+from loramux.cli.serve import add_parsers, settings_from_args
 from loramux.engine.request import Request
 from loramux.engine.slot_memory import SlotMemory
 from loramux.engine.streams import TextStream
-from loramux.errors import BackendError
+from loramux.errors import BackendError, ParameterError
+from loramux.server import ServerSettings
 
 COPIER = "loramux-slot-copy"
 
@@ -27,8 +29,9 @@ def two(tmp_path: Path) -> tuple[Path, Path]:
             write_tiny_lora(tmp_path / "q.gguf", rank=4, seed=22, scale=0.5))
 
 
-def _engine(model: Path, two: tuple[Path, Path]) -> lm.Engine:
-    eng = lm.Engine.load(model, n_ctx=512, n_parallel=2, slots=2, slot_rank=4, n_threads=1, deterministic=True)
+def _engine(model: Path, two: tuple[Path, Path], slot_writes: str = "background") -> lm.Engine:
+    eng = lm.Engine.load(model, n_ctx=512, n_parallel=2, slots=2, slot_rank=4, n_threads=1, deterministic=True,
+                         slot_writes=slot_writes)
     eng.load_lora(two[0], "p")
     eng.load_lora(two[1], "q")
     return eng
@@ -100,3 +103,33 @@ def test_a_failed_copy_fails_its_request_alone_and_leaves_the_slot_free(tiny_mod
         again = eng.generate("the dog", loras={"q": 1.0}, max_tokens=6, temperature=0, ignore_eos=True)
         assert len(again.tokens) == 6
         assert eng.bank is not None and "q" in eng.bank.in_slots()
+
+
+def test_slot_writes_inline_writes_at_admission_and_the_option_is_checked(tiny_model, two, monkeypatch):
+    """`slot_writes="inline"` (`loramux serve --slot-writes inline`): no copier; q's slot is written on the
+    engine thread at its admission while p decodes, with the same tokens. Other values are refused by name."""
+    where: list[str] = []
+    real = SlotMemory.put
+
+    def put(self, k, t, block):  # noqa: ANN001, ANN202 - SlotMemory.put's own signature
+        where.append(threading.current_thread().name)
+        return real(self, k, t, block)
+
+    monkeypatch.setattr(SlotMemory, "put", put)
+    with _engine(tiny_model, two, "inline") as eng:
+        assert eng.bank is not None and eng.bank.copier is None
+        long = eng.submit_async("the cat", loras={"p": 1.0}, max_tokens=60, temperature=0, ignore_eos=True)
+        _until(lambda: eng.stats().decode_steps > 0, "p's request never decoded")
+        q = eng.generate("the dog", loras={"q": 1.0}, max_tokens=6, temperature=0, ignore_eos=True)
+        assert len(q.tokens) == 6 and len(_tokens(long)) == 60 and eng.bank.writes == 2
+    assert where and set(where) == {"loramux-engine"}
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    add_parsers(ap.add_subparsers())
+    assert settings_from_args(ap.parse_args(["serve", "--slot-writes", "inline"])).engine_options().slot_writes == "inline"
+    assert settings_from_args(ap.parse_args(["serve"])).engine_options().slot_writes == "background"
+    with pytest.raises(ParameterError, match="slot_writes"):
+        lm.EngineOptions(slot_writes="later")
+    with pytest.raises(ParameterError, match="slot_writes"):
+        ServerSettings(slot_writes="later").validated()

@@ -64,6 +64,11 @@ def add_parsers(sub: Any) -> None:
                    help="the slot bank's factor type (default f32). f16 halves the bytes every mixed-adapter "
                         "decode reads, every slot write copies and every warm-tier entry holds; results then "
                         "move by F16 rounding (docs/scaling.md)")
+    p.add_argument("--slot-writes", choices=("background", "inline"), default=None,
+                   help="where a bank slot is written while other requests decode (default background: on "
+                        "a thread of its own; the request waits one decode step, nobody else waits). inline: "
+                        "at admission, on the engine thread, so every running request waits for the copy "
+                        "(docs/scaling.md)")
     p.add_argument("--deterministic", action="store_true", default=None,
                    help="batch-invariant kernels: a request's output does not depend on what it is "
                         "batched with (slower)")
@@ -230,7 +235,7 @@ def settings_from_args(args: argparse.Namespace) -> Any:
     return base.override(
         model=args.model, host=args.host, port=args.port, parallel=args.parallel, n_ctx=args.n_ctx,
         slots=args.slots, slot_rank=args.slot_rank, deterministic=args.deterministic,
-        adapter_cache_bytes=args.adapter_cache_bytes, bank_dtype=args.bank_dtype,
+        adapter_cache_bytes=args.adapter_cache_bytes, bank_dtype=args.bank_dtype, slot_writes=args.slot_writes,
         n_batch=args.n_batch, threads=args.threads, gpu_layers=args.gpu_layers,
         rpc=parse_endpoints(args.rpc, "--rpc") if args.rpc else None,
         api_key=_key(args, "api_key"), admin_api_key=_key(args, "admin_api_key"),

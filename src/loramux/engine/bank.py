@@ -88,13 +88,14 @@ class SlotBank:
 
     def __init__(self, model: Model, slots: int, rank: int, *, dtype: str = "f32",
                  node_access: str = "auto", cache_bytes: int = DEFAULT_CACHE_BYTES,
-                 run: Callable[[Callable[[], None]], None] | None = None) -> None:
+                 run: Callable[[Callable[[], None]], None] | None = None, background_writes: bool = True) -> None:
         """`node_access`: how the bank nodes' outputs are masked. "auto": in place when the node's
         buffer is host memory, else by reading and writing only the rows the mask changes
         (ggml_backend_tensor_get/set, e.g. on a GPU or over RPC). "device": always the transfer path
         (to check it on a CPU; it gives the same bits). `cache_bytes` bounds the warm tier
         (engine/residency.py); `run(fn)` runs fn on the engine thread (prefetched blocks are kept
-        there; default: at once, on the caller's)."""
+        there; default: at once, on the caller's). `background_writes`: a slot on host memory may be written
+        beside running decodes (take_slots' `background`; slot_copier.py)."""
         if slots < 1 or rank < 1:
             raise LoramuxError(f"a slot bank needs slots ≥ 1 and slot_rank ≥ 1 (got {slots}, {rank})")
         if node_access not in BANK_NODE_ACCESS:
@@ -125,7 +126,7 @@ class SlotBank:
         self.writes = 0
         self.memory = SlotMemory(self._facs, self.targets, slots, rank, self._store)
         # host memory: while sequences decode, slot writes run on a thread of their own (slot_copier.py)
-        self.copier = SlotCopier(self.memory) if self.memory.on_host() else None
+        self.copier = SlotCopier(self.memory) if background_writes and self.memory.on_host() else None
         self._failed: dict[int, BackendError] = {}  # adapter uid → its background write's error
         self._pending: dict[int, LoRAAdapter] = {}  # slot → the adapter being written into it
         self.warm = WarmCache(cache_bytes)

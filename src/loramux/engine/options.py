@@ -25,6 +25,7 @@ KV_TYPES = ("f16", "f32", "bf16", "q8_0")
 DEFAULT_ADAPTER_CACHE_BYTES = 512 * 2**20
 BANK_NODE_ACCESS = ("auto", "device")  # see SlotBank: in place on host memory, else row transfers
 BANK_DTYPES = ("f32", "f16")  # the slot bank's factor type (F16: half the bytes per step and per slot write)
+SLOT_WRITES = ("background", "inline")  # where a slot write runs while sequences decode (engine/slot_copier.py)
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,10 @@ class EngineOptions:
     attention and KV-cache settings. slots / slot_rank: the slot bank (0 slots: none). adapter_cache_bytes:
     the bank's warm tier, prepared slot blocks in host RAM (0: none; see engine/residency.py). bank_dtype:
     the bank's factor type, "f32" or "f16" (half the bytes a masked decode reads and a slot write copies;
-    llama.cpp then multiplies with activations rounded to F16, so results move by F16 rounding). deterministic:
+    llama.cpp then multiplies with activations rounded to F16, so results move by F16 rounding). slot_writes:
+    while sequences decode, "background" writes a slot on a thread of its own (the request waits a step,
+    nobody else waits), "inline" at admission on the engine thread (every running sequence waits for it;
+    see engine/slot_copier.py). deterministic:
     batch-invariant serving (see README, "Deterministic mode"). rpc: llama.cpp RPC workers
     ("host:port", from `loramux rpc-worker`) that hold the base model's layers (see engine/rpc.py).
     score_rows: full-vocabulary logit rows one decode may compute for prompt scoring while no other request
@@ -67,6 +71,7 @@ class EngineOptions:
     adapter_cache_bytes: int = DEFAULT_ADAPTER_CACHE_BYTES
     bank_node_access: str = "auto"
     bank_dtype: str = "f32"
+    slot_writes: str = "background"
     deterministic: bool = False
     kv_type: str = "f16"
     rpc: tuple[str, ...] = ()
@@ -109,6 +114,8 @@ class EngineOptions:
         if self.deterministic and self.bank_dtype != "f32":
             problems.append(("bank_dtype", "must be f32 in deterministic mode (its batch invariance is "
                                            f"checked with F32 factors; got {self.bank_dtype!r})"))
+        if self.slot_writes not in SLOT_WRITES:
+            problems.append(("slot_writes", f"must be one of {', '.join(SLOT_WRITES)} (got {self.slot_writes!r})"))
         if self.kv_type not in KV_TYPES:
             problems.append(("kv_type", f"must be one of {', '.join(KV_TYPES)} (got {self.kv_type!r})"))
         if problems:

@@ -67,7 +67,7 @@ class Engine:
         # The slot bank's per-token masks need the batch's token order in every node: a unified KV
         # cache and one ubatch per decode (see bank.py).
         self.bank = (SlotBank(model, opts.slots, opts.slot_rank, dtype=opts.bank_dtype,
-                              node_access=opts.bank_node_access,
+                              node_access=opts.bank_node_access, background_writes=opts.slot_writes == "background",
                               cache_bytes=opts.adapter_cache_bytes, run=self.call) if opts.slots else None)
         self.deterministic = opts.deterministic
         if opts.deterministic:

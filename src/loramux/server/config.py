@@ -10,6 +10,7 @@
                                          # (default: one slot per parallel sequence; docs/scaling.md)
     adapter_cache_bytes = 536870912      # warm tier: prepared slot blocks kept in RAM (default 512 MiB)
     bank_dtype = "f32"                   # the bank's factors: "f16" reads and copies half the bytes
+    slot_writes = "background"           # slot writes beside the decodes ("inline": the running sequences wait)
     n_ctx = 4096                         # tokens per sequence
     api_key_env = "LORAMUX_API_KEY"      # read the key from this variable (or api_key_file, api_key = "...")
     admin_api_key_file = "/run/secrets/loramux-admin"   # enables load/unload/global scales (off without it)
@@ -48,7 +49,7 @@ from typing import Any
 
 from ..engine.fairness import PREFILL_STEP_TOKENS
 from ..engine.grammar_cost import DEFAULT_LIMITS, GrammarLimits
-from ..engine.options import BANK_DTYPES, DEFAULT_ADAPTER_CACHE_BYTES, EngineOptions, bank_size
+from ..engine.options import BANK_DTYPES, DEFAULT_ADAPTER_CACHE_BYTES, SLOT_WRITES, EngineOptions, bank_size
 from ..engine.runtime import Engine
 from ..engine.scoring import SCORE_ROWS, SCORE_ROWS_SHARED
 from ..errors import LoramuxError, ParameterError
@@ -112,6 +113,7 @@ class ServerSettings:
     slot_rank: int | None = None  # None: the widest start adapter's rank, rounded up to 8 (16 without one)
     adapter_cache_bytes: int = DEFAULT_ADAPTER_CACHE_BYTES  # the bank's warm tier (engine/residency.py)
     bank_dtype: str = "f32"  # the bank's factor type: "f16" halves the bytes of a masked decode and a slot write
+    slot_writes: str = "background"  # "inline": slot writes at admission, on the engine thread (slot_copier.py)
     deterministic: bool = False  # batch-invariant kernels: outputs do not depend on the batch
     api_key: str | None = field(default=None, repr=False)
     admin_api_key: str | None = field(default=None, repr=False)  # None: no endpoint changes server state
@@ -222,6 +224,8 @@ class ServerSettings:
                             f"got {self.adapter_cache_bytes!r}")
         if self.bank_dtype not in BANK_DTYPES:
             problems.append(f"bank_dtype: must be one of {', '.join(BANK_DTYPES)}, got {self.bank_dtype!r}")
+        if self.slot_writes not in SLOT_WRITES:
+            problems.append(f"slot_writes: must be one of {', '.join(SLOT_WRITES)}, got {self.slot_writes!r}")
         if self.max_loaded is not None and self.max_loaded < 1:
             problems.append(f"max_loaded: must be ≥ 1, got {self.max_loaded}")
         if self.max_adapter_bytes is not None and (type(self.max_adapter_bytes) is not int
@@ -334,6 +338,7 @@ class ServerSettings:
                              slots=slots if self.slots is None else self.slots,
                              slot_rank=rank if self.slot_rank is None else self.slot_rank,
                              adapter_cache_bytes=self.adapter_cache_bytes, bank_dtype=self.bank_dtype,
+                             slot_writes=self.slot_writes,
                              deterministic=self.deterministic,
                              rpc=self.rpc, score_rows=self.score_rows, score_rows_shared=self.score_rows_shared,
                              request_slots=self.request_slots, request_step_seqs=self.request_step_seqs,
