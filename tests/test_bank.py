@@ -953,3 +953,45 @@ def test_a_slot_write_never_gives_the_gil_away(gemma):
         assert bank.memory.ranks[1] == {t: 8 for t in bank.targets}
     finally:
         bank.close()
+
+
+def test_a_slot_no_token_uses_changes_no_bit_of_the_others_mid_write(f32_model, tmp_path):
+    """Why a slot may be written beside running decodes (engine/slot_copier.py): with slot 1 planned for no
+    token, the other sequences' logits through the bank are the same bits whatever slot 1 holds: empty,
+    an adapter's targets half written (a copy caught midway), all of them, or A all NaN and B at 1e30
+    (each token's rows of A·x are selected to exactly 0, and B's finite values times 0 add ±0)."""
+    model = f32_model
+    bank = SlotBank(model, 2, 4)
+    users = [LoRAAdapter(model, write_adapter(tmp_path / f"{n}.gguf", "llama", random_factors(rank=4, seed=s), 4.0),
+                         n) for n, s in (("p", 31), ("q", 32))]
+    try:
+        k = bank.take_slot(users[0])
+        assert k == 0
+        blocks = bank.prepare(users[1]).blocks
+        seq_tokens = [model.tokenize(p) for p in PROMPTS[:3]]
+        entries = [(len(seq_tokens[0]), [(k, 1.0)]), (len(seq_tokens[1]), [(k, 0.5)]), (len(seq_tokens[2]), [])]
+
+        def logits() -> list[np.ndarray]:
+            got, base[:], nctx = _mixed_logits(model, bank, seq_tokens, entries)
+            nctx.close()
+            return got
+
+        base: list[np.ndarray] = []
+        ref = logits()
+        targets = sorted(blocks)
+        seen = []
+        for part in (targets[: len(targets) // 2], targets[len(targets) // 2:]):
+            for t in part:
+                bank.memory.put(1, t, blocks[t])
+            seen.append(logits())
+        for t in targets:
+            a, b = blocks[t]
+            bank.memory.put(1, t, (np.full_like(a, np.nan), np.full_like(b, 1e30)))
+        seen.append(logits())
+        for got in seen:
+            assert all(np.array_equal(g, r) for g, r in zip(got, ref))
+        assert not np.array_equal(ref[0], base[0])  # slot 0's adapter is applied: the comparison can fail
+    finally:
+        bank.close()
+        for u in users:
+            u.close()
