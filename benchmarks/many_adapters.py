@@ -256,6 +256,9 @@ def main() -> None:
     ap.add_argument("--server-args", default="", metavar="OPTIONS",
                     help="extra `loramux serve` options for this tree's server, e.g. '--bank-dtype f16'; with "
                          "them and no --baseline-src, this tree with its defaults is the baseline")
+    ap.add_argument("--baseline-args", default="", metavar="OPTIONS",
+                    help="extra `loramux serve` options for the baseline server, e.g. '--slot-writes inline' "
+                         "(with --server-args '--slot-writes background': the two modes side by side)")
     ap.add_argument("--plot", default=str(REPO_ROOT / "benchmarks" / "results" / "many_adapters.png"),
                     help="where to write the throughput plot ('' = none)")
     ap.add_argument("--slot-loads", action="store_true",
@@ -288,7 +291,7 @@ def main() -> None:
         systems = [("loramux", [sys.executable, *serve, *shlex.split(args.server_args)], "loramux")]
         if args.baseline_src or args.server_args:  # another tree or other options, run beside this one
             env = ["env", f"PYTHONPATH={args.baseline_src}"] if args.baseline_src else []
-            systems.append((BASELINE, [*env, sys.executable, *serve], "loramux"))
+            systems.append((BASELINE, [*env, sys.executable, *serve, *shlex.split(args.baseline_args)], "loramux"))
         got = bench_systems(systems, ads, args)
         for label in got:
             results[label][n] = got[label]
@@ -371,6 +374,8 @@ def report_baseline(results: dict[str, dict[int, Any]], counts: list[int], args:
                              f"{c.get('bank_share', float('nan')):.2f}"])
         this = f"this tree with {args.server_args}" if args.server_args else "this tree"
         other = f"--baseline-src {args.baseline_src}" if args.baseline_src else "its defaults"
+        if args.baseline_args:
+            other += f" with {args.baseline_args}"
         print_table(f"{dist}: {this} ('loramux') against {other}, side by side (medians of {max(1, args.repeats)} "
                     f"repeats; ratios against {ref_n} adapters)",
                     ["server", "adapters", "tok/s", f"vs {ref_n}", "TTFT p50 / p99 (s)", f"TTFT vs {ref_n}",
