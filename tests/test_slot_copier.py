@@ -102,8 +102,8 @@ def test_a_failed_copy_fails_its_request_alone_and_leaves_the_slot_free(tiny_mod
 
 
 def test_slot_writes_inline_writes_at_admission_and_the_option_is_checked(tiny_model, two, monkeypatch):
-    """`slot_writes="inline"` (`loramux serve --slot-writes inline`): no copier; q's slot is written on the
-    engine thread at its admission while p decodes, with the same tokens. Other values are refused by name."""
+    """`slot_writes="inline"` (the default; `loramux serve --slot-writes inline`): no copier; q's slot is
+    written on the engine thread at its admission while p decodes. Other values are refused by name."""
     where: list[str] = []
     real = SlotMemory.put
 
@@ -124,7 +124,9 @@ def test_slot_writes_inline_writes_at_admission_and_the_option_is_checked(tiny_m
     ap = argparse.ArgumentParser()
     add_parsers(ap.add_subparsers())
     assert settings_from_args(ap.parse_args(["serve", "--slot-writes", "inline"])).engine_options().slot_writes == "inline"
-    assert settings_from_args(ap.parse_args(["serve"])).engine_options().slot_writes == "background"
+    assert settings_from_args(ap.parse_args(["serve"])).engine_options().slot_writes == "inline"
+    assert settings_from_args(ap.parse_args(["serve", "--slot-writes", "background"])).engine_options(
+    ).slot_writes == "background"
     with pytest.raises(ParameterError, match="slot_writes"):
         lm.EngineOptions(slot_writes="later")
     with pytest.raises(ParameterError, match="slot_writes"):

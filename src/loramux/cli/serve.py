@@ -65,10 +65,10 @@ def add_parsers(sub: Any) -> None:
                         "decode reads, every slot write copies and every warm-tier entry holds; results then "
                         "move by F16 rounding (docs/scaling.md)")
     p.add_argument("--slot-writes", choices=("background", "inline"), default=None,
-                   help="where a bank slot is written while other requests decode (default background: on "
-                        "a thread of its own; the request waits one decode step, nobody else waits). inline: "
-                        "at admission, on the engine thread, so every running request waits for the copy "
-                        "(docs/scaling.md)")
+                   help="where a bank slot is written while other requests decode (default inline: at "
+                        "admission, on the engine thread; every running request waits for the copy). "
+                        "background: on a thread of its own; the request waits one decode step and nobody "
+                        "else waits, for steadier token times at some throughput (docs/scaling.md)")
     p.add_argument("--deterministic", action="store_true", default=None,
                    help="batch-invariant kernels: a request's output does not depend on what it is "
                         "batched with (slower)")

@@ -88,7 +88,7 @@ class SlotBank:
 
     def __init__(self, model: Model, slots: int, rank: int, *, dtype: str = "f32",
                  node_access: str = "auto", cache_bytes: int = DEFAULT_CACHE_BYTES,
-                 run: Callable[[Callable[[], None]], None] | None = None, background_writes: bool = True) -> None:
+                 run: Callable[[Callable[[], None]], None] | None = None, background_writes: bool = False) -> None:
         """`node_access`: how the bank nodes' outputs are masked. "auto": in place when the node's
         buffer is host memory, else by reading and writing only the rows the mask changes
         (ggml_backend_tensor_get/set, e.g. on a GPU or over RPC). "device": always the transfer path

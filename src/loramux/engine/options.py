@@ -39,9 +39,9 @@ class EngineOptions:
     the bank's warm tier, prepared slot blocks in host RAM (0: none; see engine/residency.py). bank_dtype:
     the bank's factor type, "f32" or "f16" (half the bytes a masked decode reads and a slot write copies;
     llama.cpp then multiplies with activations rounded to F16, so results move by F16 rounding). slot_writes:
-    while sequences decode, "background" writes a slot on a thread of its own (the request waits a step,
-    nobody else waits), "inline" at admission on the engine thread (every running sequence waits for it;
-    see engine/slot_copier.py). deterministic:
+    while sequences decode, "inline" writes a slot at admission on the engine thread (every running
+    sequence waits for the copy), "background" on a thread of its own (the request waits a decode step,
+    nobody else waits; see engine/slot_copier.py). deterministic:
     batch-invariant serving (see README, "Deterministic mode"). rpc: llama.cpp RPC workers
     ("host:port", from `loramux rpc-worker`) that hold the base model's layers (see engine/rpc.py).
     score_rows: full-vocabulary logit rows one decode may compute for prompt scoring while no other request
@@ -71,7 +71,7 @@ class EngineOptions:
     adapter_cache_bytes: int = DEFAULT_ADAPTER_CACHE_BYTES
     bank_node_access: str = "auto"
     bank_dtype: str = "f32"
-    slot_writes: str = "background"
+    slot_writes: str = "inline"
     deterministic: bool = False
     kv_type: str = "f16"
     rpc: tuple[str, ...] = ()

@@ -2,9 +2,12 @@
 
 A slot write on the engine thread stops every decoding sequence for its duration: 2.5 ms quiet for a
 rank-8 adapter of Gemma 3 270M, but 10-40 ms in a server loading cold adapters, where the copy's
-few milliseconds of CPU wait for the GIL and the cores that the loads and the HTTP threads hold. So while
-sequences decode, the bank hands the copy to `SlotCopier`'s thread and the request waits for its slot
-(a step or two) instead of every other sequence waiting for the copy.
+few milliseconds of CPU wait for the GIL and the cores that the loads and the HTTP threads hold. With
+`slot_writes="background"` (`loramux serve --slot-writes background`), while sequences decode the bank
+hands the copy to `SlotCopier`'s thread and the request waits for its slot (a decode step) instead of
+every other sequence waiting for the copy. That is not the default: a request that waits a step leaves
+its sequence idle for that step, which cost more throughput and time to first token than the copies
+between steps where nearly every request needs a write (BENCHMARKS.md, "Slot writes beside the decodes").
 
 Why the copy may overlap a decode through the bank: the slot being written holds no adapter and no
 request (it is marked writing, so no admission takes it and no token is planned on it), so every token's

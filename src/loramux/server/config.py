@@ -10,7 +10,7 @@
                                          # (default: one slot per parallel sequence; docs/scaling.md)
     adapter_cache_bytes = 536870912      # warm tier: prepared slot blocks kept in RAM (default 512 MiB)
     bank_dtype = "f32"                   # the bank's factors: "f16" reads and copies half the bytes
-    slot_writes = "background"           # slot writes beside the decodes ("inline": the running sequences wait)
+    slot_writes = "inline"               # "background": slot writes beside the decodes, not between them
     n_ctx = 4096                         # tokens per sequence
     api_key_env = "LORAMUX_API_KEY"      # read the key from this variable (or api_key_file, api_key = "...")
     admin_api_key_file = "/run/secrets/loramux-admin"   # enables load/unload/global scales (off without it)
@@ -113,7 +113,7 @@ class ServerSettings:
     slot_rank: int | None = None  # None: the widest start adapter's rank, rounded up to 8 (16 without one)
     adapter_cache_bytes: int = DEFAULT_ADAPTER_CACHE_BYTES  # the bank's warm tier (engine/residency.py)
     bank_dtype: str = "f32"  # the bank's factor type: "f16" halves the bytes of a masked decode and a slot write
-    slot_writes: str = "background"  # "inline": slot writes at admission, on the engine thread (slot_copier.py)
+    slot_writes: str = "inline"  # "background": slot writes beside the running decodes (slot_copier.py)
     deterministic: bool = False  # batch-invariant kernels: outputs do not depend on the batch
     api_key: str | None = field(default=None, repr=False)
     admin_api_key: str | None = field(default=None, repr=False)  # None: no endpoint changes server state
