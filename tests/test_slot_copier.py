@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -48,25 +49,41 @@ def _until(cond, what: str) -> None:  # noqa: ANN001 - a predicate
         time.sleep(0.002)
 
 
-def test_a_slot_write_runs_beside_the_sequences_decoding(tiny_model, two, monkeypatch):
-    """While q's slot copy is held on the copier's thread, p's request keeps taking decode steps; then q's
-    request completes through its slot, and so does p's."""
-    entered, gate = threading.Event(), threading.Event()
+def _spy_put(monkeypatch: pytest.MonkeyPatch, before: Callable[[str, object], None] | None = None) -> list[str]:
+    """Record the thread of every SlotMemory.put; `before(thread name, block)` runs first (to hold or fail it)."""
     where: list[str] = []
     real = SlotMemory.put
 
     def put(self, k, t, block):  # noqa: ANN001, ANN202 - SlotMemory.put's own signature
         where.append(threading.current_thread().name)
-        if threading.current_thread().name == COPIER:
-            entered.set()
-            assert gate.wait(60)
+        if before is not None:
+            before(where[-1], block)
         return real(self, k, t, block)
 
     monkeypatch.setattr(SlotMemory, "put", put)
+    return where
+
+
+def _p_then_q(eng: lm.Engine) -> tuple[Future[Request], Future[Request]]:
+    """p's long request, decoding; then q's short one, whose slot is written beside p's decodes."""
+    long = eng.submit_async("the cat", loras={"p": 1.0}, max_tokens=60, temperature=0, ignore_eos=True)
+    _until(lambda: eng.stats().decode_steps > 0, "p's request never decoded")
+    return long, eng.submit_async("the dog", loras={"q": 1.0}, max_tokens=6, temperature=0, ignore_eos=True)
+
+
+def test_a_slot_write_runs_beside_the_sequences_decoding(tiny_model, two, monkeypatch):
+    """While q's slot copy is held on the copier's thread, p's request keeps taking decode steps; then q's
+    request completes through its slot, and so does p's."""
+    entered, gate = threading.Event(), threading.Event()
+
+    def hold(thread: str, _block: object) -> None:
+        if thread == COPIER:
+            entered.set()
+            assert gate.wait(60)
+
+    where = _spy_put(monkeypatch, hold)
     with _engine(tiny_model, two) as eng:
-        long = eng.submit_async("the cat", loras={"p": 1.0}, max_tokens=60, temperature=0, ignore_eos=True)
-        _until(lambda: eng.stats().decode_steps > 0, "p's request never decoded")
-        short = eng.submit_async("the dog", loras={"q": 1.0}, max_tokens=6, temperature=0, ignore_eos=True)
+        long, short = _p_then_q(eng)
         assert entered.wait(60), "q's slot was not written on the copier's thread"
         steps = eng.stats().decode_steps
         _until(lambda: eng.stats().decode_steps - steps >= 20, "p stopped decoding while q's slot was written")
@@ -79,19 +96,15 @@ def test_a_slot_write_runs_beside_the_sequences_decoding(tiny_model, two, monkey
 def test_a_failed_copy_fails_its_request_alone_and_leaves_the_slot_free(tiny_model, two, monkeypatch):
     """A copy that fails on the copier's thread: q's request fails with a BackendError naming q, p's goes
     on to its end, and q's next request gets the (zeroed, free) slot written and completes."""
-    real = SlotMemory.put
     failing = [True]
 
-    def put(self, k, t, block):  # noqa: ANN001, ANN202 - SlotMemory.put's own signature
-        if failing[0] and threading.current_thread().name == COPIER and block is not None:
+    def fail(thread: str, block: object) -> None:
+        if failing[0] and thread == COPIER and block is not None:
             raise OSError("simulated copy failure")
-        return real(self, k, t, block)
 
-    monkeypatch.setattr(SlotMemory, "put", put)
+    _spy_put(monkeypatch, fail)
     with _engine(tiny_model, two) as eng:
-        long = eng.submit_async("the cat", loras={"p": 1.0}, max_tokens=60, temperature=0, ignore_eos=True)
-        _until(lambda: eng.stats().decode_steps > 0, "p's request never decoded")
-        bad = eng.submit_async("the dog", loras={"q": 1.0}, max_tokens=6, temperature=0, ignore_eos=True)
+        long, bad = _p_then_q(eng)
         with pytest.raises(BackendError, match="'q'.*simulated copy failure"):
             _tokens(bad)
         assert len(_tokens(long)) == 60
@@ -104,14 +117,7 @@ def test_a_failed_copy_fails_its_request_alone_and_leaves_the_slot_free(tiny_mod
 def test_slot_writes_inline_writes_at_admission_and_the_option_is_checked(tiny_model, two, monkeypatch):
     """`slot_writes="inline"` (the default; `loramux serve --slot-writes inline`): no copier; q's slot is
     written on the engine thread at its admission while p decodes. Other values are refused by name."""
-    where: list[str] = []
-    real = SlotMemory.put
-
-    def put(self, k, t, block):  # noqa: ANN001, ANN202 - SlotMemory.put's own signature
-        where.append(threading.current_thread().name)
-        return real(self, k, t, block)
-
-    monkeypatch.setattr(SlotMemory, "put", put)
+    where = _spy_put(monkeypatch)
     with _engine(tiny_model, two, "inline") as eng:
         assert eng.bank is not None and eng.bank.copier is None
         long = eng.submit_async("the cat", loras={"p": 1.0}, max_tokens=60, temperature=0, ignore_eos=True)
