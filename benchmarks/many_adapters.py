@@ -163,6 +163,7 @@ def bench_systems(systems: list[tuple[str, list[str], str]], adapters: list[str]
                 print(f"{label} with {len(adapters)} adapters did not start: {e}", file=sys.stderr)
                 out[label] = {"failed": str(e)}
                 continue
+            srv.unique_prompts = args.unique_prompts
             live.append((label, kind, srv))
             out[label] = {"startup_s": srv.startup, "rss_start_mb": rss_mb(srv.proc.pid)}
         for dist in args.dists:
@@ -171,6 +172,7 @@ def bench_systems(systems: list[tuple[str, list[str], str]], adapters: list[str]
             for rep in range(max(1, args.repeats)):
                 seq = adapter_sequence(len(adapters), args.requests, dist, args.zipf_s, seed=7 + rep)
                 for label, _, srv in live:
+                    srv.unique_seed = rep
                     runs[label].append(run_cell(srv, seq, args.parallel, args.tokens))
             for label, kind, srv in live:
                 rs = sorted(runs[label], key=lambda r: r["tok_s"])
@@ -243,6 +245,9 @@ def main() -> None:
                     help="the count the ratios are taken against when it is in --counts (default 8: with the "
                          "default bank of --parallel slots, every adapter in its own slot, never rewritten)")
     ap.add_argument("--no-llama-server", action="store_true", help="skip the llama-server peer")
+    ap.add_argument("--unique-prompts", action="store_true",
+                    help="every request's prompt starts with its own number, so no request reuses another's KV "
+                         "cache (by default 4 prompts repeat, and a server with fewer adapters reuses more)")
     ap.add_argument("--cold-from", type=int, default=1000,
                     help="counts from this one up are registered cold with --lora-dir (hard links of one adapter) "
                          f"and --max-loaded {COLD_MAX_LOADED}, not loaded with --lora (default 1000)")
@@ -339,7 +344,8 @@ def report(results: dict[str, dict[int, Any]], counts: list[int], args: argparse
         print_table(f"{dist} requests{f' (s = {args.zipf_s:g})' if dist == 'zipf' else ''}: {args.parallel} "
                     f"streams, {args.requests} requests × {args.tokens} tokens, {args.threads} threads, "
                     f"rank-{args.rank} adapters (aggregate tokens/s; latency and TTFT p50 / p99 in s; ratios "
-                    f"of medians over {max(1, args.repeats)} repeats against {ref_n} adapters)",
+                    f"of medians over {max(1, args.repeats)} repeats against {ref_n} adapters; "
+                    f"{'unique prompts' if args.unique_prompts else '4 prompts repeating'})",
                     ["adapters", "loramux", f"tok/s vs {ref_n}", f"TTFT p50 / p99 vs {ref_n}", "llama-server",
                      "loramux / llama-server", "loramux latency", "llama-server latency", "loramux TTFT",
                      "llama-server TTFT", "loramux slot wait p99", "slot wait max steps", "bank decodes"], rows)
