@@ -25,6 +25,7 @@ from loramux.engine.fairness import (
     TURN_WEIGHT,
     StepClock,
     held,
+    neighbours,
     slot_limit,
     step_share,
     turn_every,
@@ -373,6 +374,48 @@ def test_turns_are_weighed_by_what_a_step_of_the_request_costs():
     assert all(plain in got for got in served)
     assert [i for i, got in enumerate(served) if heavy in got] == [0, 11]
     assert [i for i, got in enumerate(served) if seqs[2] in got] == list(range(0, 18, 2))
+
+
+def test_turns_are_weighed_against_the_step_of_the_sequences_decoding_beside():
+    """Against the neighbours' own step: `neighbours` counts the sequences decoding in every step (past their
+    prompt and not held themselves), and a 16-token piece beside 8 of them takes one step of every 3, where
+    against one neighbour's step it takes one of every 9 (its sequence idle in between)."""
+    clock = StepClock()
+    assert clock.alone(8) == 0.0  # nothing measured yet
+    clock.step_s, clock.one_s, clock.row_s, clock.token_s = 0.02, 0.02, 0.016, 0.0049
+    assert clock.alone(1) == pytest.approx(0.02) and clock.alone(8) == pytest.approx(0.02 + 7 * 0.016)
+    long = _Req(None, prompt=[1] * 300)
+    assert turn_every(long, 16, clock, 2, 1) == 9  # ceil(1 + 2 × 78.4 ms / 20 ms)
+    assert turn_every(long, 16, clock, 2, 8) == 3  # ceil(1 + 2 × 78.4 ms / 132 ms)
+    plain = _Req(None, n_past=3, pending=5, prompt=[1] * 3, generated=[1, 2])
+    heavy = dataclasses.replace(plain, grammar=_Spent(2 * 0.078))
+    party = dataclasses.replace(plain, party=object())
+    assert neighbours([plain] * 5 + [long, heavy, party], 16, 0.02) == 5  # the prompt and the held ones: out
+    assert neighbours([long, heavy], 16, 0.02) == 1  # at least one: the step alone
+
+
+def test_the_scheduler_weighs_a_long_prompt_against_the_sequences_decoding(tiny_model, monkeypatch):
+    """The count of decoding neighbours reaches `turn_every` (without it a long prompt beside many decoding
+    sequences waits as long for each turn as beside one)."""
+    from loramux.engine import fairness
+
+    seen: list[int] = []
+    real = fairness.turn_every
+
+    def spy(r, prefill_step_tokens, clock, every, decoding=1):
+        if len(r.prompt) - r.n_past > prefill_step_tokens:
+            seen.append(decoding)
+        return real(r, prefill_step_tokens, clock, every, decoding)
+    monkeypatch.setattr(fairness, "turn_every", spy)
+    with lm.Engine.load(tiny_model, n_ctx=1024, n_threads=2, n_parallel=4, prefill_step_tokens=8) as eng:
+        near = [eng.submit(f"the dog ran {i}", max_tokens=64, ignore_eos=True, temperature=0) for i in range(3)]
+        for _ in range(20000):
+            if eng.scheduler.stats.generated_tokens >= 6:
+                break
+            time.sleep(0.002)
+        long = eng.submit((eng.tokenize("the history of the river valley") * 20)[:120], max_tokens=1, temperature=0)
+        assert len(_tokens(long)) == 1 and all(len(_tokens(n)) == 64 for n in near)
+    assert seen and max(seen) == 3, seen
 
 
 def test_prefill_step_tokens_is_a_serve_option_and_is_checked():

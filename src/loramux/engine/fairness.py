@@ -26,8 +26,9 @@ more than a sequence of its own would (`held`):
   decode step (500 choices: 10-45 ms a token beside 22 ms steps).
 
 Their turns are weighed by their cost (`turn_every`): such a request takes part in one step of every
-1 + `TURN_WEIGHT` × (the engine time it adds to a step it is in, over a neighbour's step alone), at least
-`request_step_every`. A neighbour then pays, per token of its own, under 1/`TURN_WEIGHT` of a step for it,
+1 + `TURN_WEIGHT` × (the engine time it adds to a step it is in, over the neighbours' step alone: the
+sequences decoding in every step, `neighbours`), at least `request_step_every`. A neighbour then pays, per
+token of its own, under 1/`TURN_WEIGHT` of its own step for it,
 whatever the grammar costs: a FunctionGemma tool grammar of 40-70 ms a token beside 20-25 ms steps takes
 about one step of eight, not one of two. The costs are measured as the engine runs (`StepClock`): a
 decode step alone, what each further token adds to it, and what a prompt token adds.
@@ -105,6 +106,12 @@ def held(r: Member, prefill_step_tokens: int, step_s: float) -> bool:
             or _grammar_per_token(r) > HEAVY_GRAMMAR * step_s)
 
 
+def neighbours(running: Sequence[Member], prefill_step_tokens: int, step_s: float) -> int:
+    """The sequences a turn is weighed against: those decoding in every step (past their prompt, not held),
+    at least 1. The held ones are left out, so an attacker's own tokens never make its turns cheaper."""
+    return max(1, sum(1 for q in running if q.n_past >= len(q.prompt) and not held(q, prefill_step_tokens, step_s)))
+
+
 def _grammar_per_token(r: Member) -> float:
     """Engine seconds `r`'s grammar took per token so far (0 without a grammar or a token)."""
     return r.grammar.spent / len(r.generated) if r.grammar is not None and r.generated else 0.0
@@ -122,6 +129,16 @@ class StepClock:
         self.row_s = 0.0
         self.token_s = 0.0
 
+    def alone(self, decoding: int) -> float:
+        """Seconds of a decode step of `decoding` decode tokens and nothing else: the step that neighbours
+        pay anyway, which a turn's extra cost is weighed against (0 before anything was measured). Weighed
+        against a lone neighbour's step instead, a 16-token prompt piece beside 8 decoding sequences waited
+        about 9 steps for each turn on a CPU (its sequence idle meanwhile: 20 % of the throughput of 8
+        streams of short prompts), where against their 8-token step it takes one of every 3."""
+        if self.one_s <= 0:
+            return self.step_s
+        return self.one_s + self.row_s * max(0, decoding - 1)
+
     def observe(self, seconds: float, tokens: int, prompt_tokens: int) -> None:
         """One decode of `tokens` tokens, `prompt_tokens` of them prompt tokens, took `seconds`."""
         if prompt_tokens == 0:
@@ -134,14 +151,15 @@ class StepClock:
             self.token_s += (max(0.0, seconds - self.step_s) / prompt_tokens - self.token_s) / 8
 
 
-def turn_every(r: Member, prefill_step_tokens: int, clock: StepClock, every: int) -> int:
+def turn_every(r: Member, prefill_step_tokens: int, clock: StepClock, every: int, decoding: int = 1) -> int:
     """1 when `r` does not take turns (`held`), else the steps from one of its turns to the next: `every`,
-    or more for a request whose step costs more: 1 + TURN_WEIGHT × its cost per step over a neighbour's step
-    alone. That cost is its grammar's time per token with the row its token adds, or what its next prompt
-    piece adds. A neighbour then pays, per token of its own, under 1/TURN_WEIGHT of a step for it."""
+    or more for a request whose step costs more: 1 + TURN_WEIGHT × its cost per step over the neighbours'
+    step alone (`decoding` of them: `neighbours`, `StepClock.alone`). That cost is its grammar's time per token
+    with the row its token adds, or what its next prompt piece adds. The neighbours then pay, per token of
+    their own, under 1/TURN_WEIGHT of their own step for it."""
     if not held(r, prefill_step_tokens, clock.step_s):
         return 1
-    base = clock.one_s or clock.step_s
+    base = clock.alone(decoding)
     if base <= 0:
         return every
     grammar = _grammar_per_token(r)
@@ -192,4 +210,4 @@ def step_share(members: list[M], running: Sequence[Member], per_step: int, step:
 
 
 __all__ = ["HEAVY_GRAMMAR", "PREFILL_STEP_TOKENS", "TURN_WEIGHT", "Member", "Spends", "StepClock", "held",
-           "over_slots", "party_of", "prompt_cap", "slot_limit", "step_share", "turn_every"]
+           "neighbours", "over_slots", "party_of", "prompt_cap", "slot_limit", "step_share", "turn_every"]

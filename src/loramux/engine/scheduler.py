@@ -134,9 +134,11 @@ class Scheduler:
         if not runnable:
             return
         group = self._pick_group(runnable)
+        decoding = fairness.neighbours(runnable, self.prefill_step_tokens, self.clock.step_s)
         turn = step_share([r for r in runnable if r.phase_at(r.n_past).group_key == group], runnable,
                           self.request_step_seqs, self.stats.decode_steps, self.request_step_every,
-                          lambda r: fairness.turn_every(r, self.prefill_step_tokens, self.clock, self.request_step_every))
+                          lambda r: fairness.turn_every(r, self.prefill_step_tokens, self.clock,
+                                                        self.request_step_every, decoding))
         members, guarded = self._guard_plan(turn)
         if not members:
             return
