@@ -14,7 +14,11 @@ Also, by default, 8 adapters loaded with `--lora` under the same Zipf traffic (e
 slot bank's own cost, apart from any cold load). Target: ≥ 0.9× the one-adapter throughput at 1,000
 registered; decode gap ≤ 1 ms beyond the one-adapter server's.
 
+With `--baseline-src DIR` every server also runs from another loramux tree (right after this tree's), to
+measure a change before and after in one run.
+
     python benchmarks/cold_adapters.py --requests 32 --tokens 16 --repeats 3
+    python benchmarks/cold_adapters.py --registered 1000 --unique-prompts --baseline-src ../main/src
 """
 
 from __future__ import annotations
@@ -143,6 +147,9 @@ def main() -> None:
                          "f32,f16; default f32, what serve uses)")
     ap.add_argument("--server-args", default="", metavar="OPTIONS",
                     help="more `loramux serve` options for every server, e.g. \"--background-nice 0\"")
+    ap.add_argument("--baseline-src", default=None, metavar="DIR",
+                    help="also run every server from another loramux tree (its src directory, e.g. a checkout of "
+                         "main), each right after this tree's, and print both side by side")
     ap.add_argument("--profile-load", action="store_true",
                     help="only time the parts of one cold load in process (parse, llama.cpp load, discovery, free)")
     args = ap.parse_args()
@@ -161,23 +168,33 @@ def main() -> None:
     print_machine(info)
     common = [sys.executable, "-m", "loramux", "serve", str(model), "--n-ctx", "512", "--threads",
               str(args.threads), "--parallel", str(args.parallel), "--public-metrics", *shlex.split(args.server_args)]
-    res: dict[str, Any] = {"1": bench("1 adapter", [*common, "--lora", f"a0={one}"], 1, args)}
+    res: dict[str, Any] = {}
+
+    def run(key: str, label: str, argv: list[str], n: int) -> None:
+        res[key] = bench(label, argv, n, args)
+        if args.baseline_src:  # the same server from the other tree, right after
+            res[f"{key}@baseline"] = bench(f"{label} (baseline)", ["env", f"PYTHONPATH={args.baseline_src}", *argv],
+                                           n, args)
+
+    run("1", "1 adapter", [*common, "--lora", f"a0={one}"], 1)
     dtypes = [d for d in args.bank_dtypes.split(",") if d]
     ref = link_dir(work, one, args.loaded_reference) if args.loaded_reference else None
     scans = {}
     for dt in dtypes:
         banked = [*common, "--bank-dtype", dt]
         if ref is not None:  # every adapter loaded and in a slot: what the slot bank alone costs
-            res[f"loaded/{dt}"] = bench(f"{args.loaded_reference} loaded, {dt} bank", [*banked, *[
+            run(f"loaded/{dt}", f"{args.loaded_reference} loaded, {dt} bank", [*banked, *[
                 x for k in range(args.loaded_reference) for x in ("--lora", f"a{k}={ref / f'a{k}.gguf'}")]],
-                args.loaded_reference, args)
+                args.loaded_reference)
         for n in counts:
             t0 = time.perf_counter()
             scan([str(dirs[n])])
             scans[n] = (time.perf_counter() - t0) / n * 1e6
-            res[f"{n}/{dt}"] = bench(f"{n} registered, {dt} bank", [*banked, "--lora-dir", str(dirs[n]),
-                                                                     "--max-loaded", str(MAX_LOADED)], n, args)
+            run(f"{n}/{dt}", f"{n} registered, {dt} bank", [*banked, "--lora-dir", str(dirs[n]),
+                                                             "--max-loaded", str(MAX_LOADED)], n)
     report(res, counts, dtypes, scans, args)
+    if args.baseline_src:
+        report_baseline(res, args)
     info["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     print(f"load average at the end: {info['loadavg_end']}")
     dump_json(args.json, {"machine": info, "results": res, "scan_us": scans, "args": vars(args)})
@@ -211,6 +228,19 @@ def report(res: dict[str, Any], counts: list[int], dtypes: list[str], scans: dic
     print_table("registration and listing", ["registered", "start time over 1 adapter's, per adapter (µs)",
                                              "scan per adapter, in process (µs)", "GET /v1/models", "GET /metrics"],
                 rows)
+
+
+def report_baseline(res: dict[str, Any], args: argparse.Namespace) -> None:
+    """--baseline-src: each server from both trees, and each against its own tree's one-adapter server."""
+    rows = []
+    for key in [k for k in res if not k.endswith("@baseline") and f"{k}@baseline" in res]:
+        new, old = res[key], res[f"{key}@baseline"]
+        rows.append([key, f"{old['tok_s']:.1f}", f"{new['tok_s']:.1f}", f"{new['tok_s'] / old['tok_s']:.2f}",
+                     f"{old['tok_s'] / res['1@baseline']['tok_s']:.2f}", f"{new['tok_s'] / res['1']['tok_s']:.2f}",
+                     f"{old['ttft_p50']:.2f} / {new['ttft_p50']:.2f}", f"{old['ttft_p99']:.2f} / {new['ttft_p99']:.2f}"])
+    print_table(f"this tree against {args.baseline_src} (each run right after this tree's; medians of {args.repeats})",
+                ["server", "baseline tok/s", "this tok/s", "this / baseline", "baseline vs its 1 adapter",
+                 "this vs its 1 adapter", "TTFT p50 (s), baseline / this", "TTFT p99 (s), baseline / this"], rows)
 
 
 if __name__ == "__main__":

@@ -133,8 +133,8 @@ class StepClock:
         """Seconds of a decode step of `decoding` decode tokens and nothing else: the step that neighbours
         pay anyway, which a turn's extra cost is weighed against (0 before anything was measured). Weighed
         against a lone neighbour's step instead, a 16-token prompt piece beside 8 decoding sequences waited
-        about 9 steps for each turn on a CPU (its sequence idle meanwhile: 20 % of the throughput of 8
-        streams of short prompts), where against their 8-token step it takes one of every 3."""
+        about 9 steps for each turn on a CPU, its sequence idle meanwhile, where against their 8-token step
+        it takes one of every 3 (BENCHMARKS.md, "Turns weighed against the neighbours' step")."""
         if self.one_s <= 0:
             return self.step_s
         return self.one_s + self.row_s * max(0, decoding - 1)
