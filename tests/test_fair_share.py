@@ -236,27 +236,44 @@ def test_the_shares_are_serve_options_and_are_checked():
 def test_an_n16_request_through_the_server_leaves_a_slot_and_a_turn(tiny_model):
     """Over HTTP: the sequences of one `n` request are one party. While it runs, a neighbour is admitted
     and finishes within its own decode steps (counted from its submission to the engine to its end), and
-    the request's choices equal the same request's made alone."""
+    the request's choices equal the same request's made alone. On a loaded host the neighbour's HTTP request
+    can reach the engine only after the `n` request is nearly done (the tiny model's steps take about a
+    millisecond); that run shows nothing, so it is run again (at most 3 times)."""
     body = {"prompt": PROMPT, "n": SEQS, "max_tokens": 160, "ignore_eos": True, "temperature": 1.0,
             "seed": 7, "return_token_ids": True}
     with serving(tiny_model, parallel=PARALLEL, n_ctx=256) as (srv, eng, _state):
         ref = httpx.post(srv.url + "/v1/completions", json=body, timeout=120).json()
-        sched, steps = eng.scheduler, {}
-        submit = sched.submit
+        for _ in range(3):
+            steps, got, r = _n16_with_a_neighbour(srv, eng, body)
+            if steps["beside"] >= PARALLEL - 1:
+                break
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == NEIGHBOUR == steps["left"]
+    took = steps["done"] - steps["submitted"]
+    assert steps["beside"] >= PARALLEL - 1, steps  # it did arrive while the n = 16 request ran
+    assert took <= NEIGHBOUR + 2, steps  # its own steps, not a wave of the n = 16 request (160 steps)
+    assert [c["token_ids"] for c in got["choices"]] == [c["token_ids"] for c in ref["choices"]]
 
-        def watched(req: Request) -> None:  # the neighbour's steps, read on the engine thread
-            if req.party is None:
-                steps["submitted"], listener = sched.stats.decode_steps, req.input.on_event
-                steps["beside"] = sum(q.party is not None for q in sched.running + sched.waiting)
 
-                def on_event(kind: str, value: object) -> None:
-                    if kind == "done":
-                        steps["done"] = sched.stats.decode_steps
-                    if listener is not None:
-                        listener(kind, value)
-                req.input = dataclasses.replace(req.input, on_event=on_event)
-            submit(req)
-        sched.submit = watched
+def _n16_with_a_neighbour(srv, eng: lm.Engine, body: dict) -> tuple[dict, dict, httpx.Response]:
+    """The `n` request over HTTP and, once it decodes, a neighbour's: (the neighbour's steps, the `n`
+    request's response, the neighbour's response)."""
+    sched, steps = eng.scheduler, {}
+    submit = sched.submit
+
+    def watched(req: Request) -> None:  # the neighbour's steps, read on the engine thread
+        if req.party is None:
+            steps["submitted"], listener = sched.stats.decode_steps, req.input.on_event
+            steps["beside"] = sum(q.party is not None for q in sched.running + sched.waiting)
+
+            def on_event(kind: str, value: object) -> None:
+                if kind == "done":
+                    steps["done"] = sched.stats.decode_steps
+                if listener is not None:
+                    listener(kind, value)
+            req.input = dataclasses.replace(req.input, on_event=on_event)
+        submit(req)
+    sched.submit = watched
+    try:
         got: dict = {}
         t = threading.Thread(target=lambda: got.update(httpx.post(
             srv.url + "/v1/completions", json=body, timeout=120).json()))
@@ -269,12 +286,10 @@ def test_an_n16_request_through_the_server_leaves_a_slot_and_a_turn(tiny_model):
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": "the dog ran", "max_tokens": NEIGHBOUR,
                                                           "ignore_eos": True, "temperature": 0}, timeout=120)
         t.join(120)
-        left = sched.stats.generated_tokens - generated - SEQS * 160  # the neighbour's, once all is done
-    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == NEIGHBOUR == left
-    took = steps["done"] - steps["submitted"]
-    assert steps["beside"] >= PARALLEL - 1, steps  # it did arrive while the n = 16 request ran
-    assert took <= NEIGHBOUR + 2, steps  # its own steps, not a wave of the n = 16 request (160 steps)
-    assert [c["token_ids"] for c in got["choices"]] == [c["token_ids"] for c in ref["choices"]]
+        steps["left"] = sched.stats.generated_tokens - generated - SEQS * 160  # the neighbour's, once all is done
+    finally:
+        sched.submit = submit
+    return steps, got, r
 
 
 def _batches(eng: lm.Engine) -> list[Counter[int]]:
