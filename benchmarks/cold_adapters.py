@@ -61,6 +61,21 @@ def endpoint(srv: Server, path: str, repeats: int = 5) -> tuple[int, float]:
     return sizes[-1], statistics.median(times)
 
 
+def step_counts(srv: Server) -> tuple[float, float, float]:
+    """(decode steps, prompt tokens decoded, tokens generated) so far, from the server's /metrics."""
+    return (metric(srv, "loramux_decode_steps_total"), metric(srv, "llamacpp:prompt_tokens_total"),
+            metric(srv, "llamacpp:tokens_predicted_total"))
+
+
+def step_figures(before: tuple[float, float, float], after: tuple[float, float, float], wall: float
+                 ) -> dict[str, float]:
+    """One run's decode steps, seconds per step and tokens (prompt and generated) per step: whether a server
+    is slower because its steps cost more or because it needs more of them for the same tokens."""
+    steps, prompt, gen = (b - a for a, b in zip(before, after))
+    return {"steps": steps, "ms_per_step": wall / steps * 1000 if steps else float("nan"),
+            "tokens_per_step": (prompt + gen) / steps if steps else float("nan")}
+
+
 def bench(label: str, argv: list[str], n_adapters: int, args: argparse.Namespace) -> dict[str, Any]:
     srv = Server(argv, "loramux", [])
     srv.unique_prompts = args.unique_prompts
@@ -70,7 +85,9 @@ def bench(label: str, argv: list[str], n_adapters: int, args: argparse.Namespace
         for rep in range(max(1, args.repeats)):
             seq = adapter_sequence(n_adapters, args.requests, "zipf", 1.0, seed=7 + rep)
             srv.unique_seed = rep
+            before = step_counts(srv)
             runs.append(run_cell(srv, seq, args.parallel, args.tokens))
+            runs[-1].update(step_figures(before, step_counts(srv), runs[-1]["wall"]))
         runs.sort(key=lambda r: r["tok_s"])
         out.update(runs[(len(runs) - 1) // 2])
         out["all_tok_s"] = [r["tok_s"] for r in runs]
@@ -213,21 +230,23 @@ def report(res: dict[str, Any], counts: list[int], dtypes: list[str], scans: dic
         rows.append([label, f"{r['tok_s']:.1f}",
                      f"{r['tok_s'] / base['tok_s']:.2f}", f"{r['ttft_p50']:.2f} / {r['ttft_p99']:.2f}",
                      f"{r['gap_max_ms']:.1f} / {r['gap_p99_ms']:.1f}", f"{r['evictions']:.0f}",
-                     f"{r['rss_mb']:.0f}", f"{r['startup_s']:.2f}"])
+                     f"{r['rss_mb']:.0f}", f"{r['startup_s']:.2f}",
+                     f"{r['steps']:.0f} / {r['ms_per_step']:.0f} / {r['tokens_per_step']:.1f}"])
     print_table(f"Zipf (s = 1) over the registered adapters: {args.parallel} streams, {args.requests} requests × "
                 f"{args.tokens} tokens, {args.threads} threads, rank-{args.rank} adapters, --max-loaded {MAX_LOADED} "
                 f"(median of {args.repeats} runs{', unique prompts' if args.unique_prompts else ', 4 prompts repeating'})",
                 ["adapters", "tokens/s", "vs 1 adapter", "TTFT p50 / p99 (s)", "decode gap max / p99 (ms)",
-                 "evictions", "RSS (MB)", "start (s)"], rows)
+                 "evictions", "RSS (MB)", "start (s)", "decode steps / ms per step / tokens per step"], rows)
     rows = []
     for n in counts:
         r = res[f"{n}/{dtypes[0]}"]
         rows.append([f"{n:,}", f"{(r['startup_s'] - base['startup_s']) / n * 1e6:.0f}", f"{scans[n]:.1f}",
                      f"{r['models'][0] / 1e3:.0f} kB, {r['models'][1]:.1f} ms",
                      f"{r['metrics'][0] / 1e3:.0f} kB, {r['metrics'][1]:.1f} ms"])
-    print_table("registration and listing", ["registered", "start time over 1 adapter's, per adapter (µs)",
-                                             "scan per adapter, in process (µs)", "GET /v1/models", "GET /metrics"],
-                rows)
+    if rows:  # (--registered "": only the one-adapter and all-in-slots servers)
+        print_table("registration and listing", ["registered", "start time over 1 adapter's, per adapter (µs)",
+                                                 "scan per adapter, in process (µs)", "GET /v1/models",
+                                                 "GET /metrics"], rows)
 
 
 def report_baseline(res: dict[str, Any], args: argparse.Namespace) -> None:
@@ -237,10 +256,12 @@ def report_baseline(res: dict[str, Any], args: argparse.Namespace) -> None:
         new, old = res[key], res[f"{key}@baseline"]
         rows.append([key, f"{old['tok_s']:.1f}", f"{new['tok_s']:.1f}", f"{new['tok_s'] / old['tok_s']:.2f}",
                      f"{old['tok_s'] / res['1@baseline']['tok_s']:.2f}", f"{new['tok_s'] / res['1']['tok_s']:.2f}",
-                     f"{old['ttft_p50']:.2f} / {new['ttft_p50']:.2f}", f"{old['ttft_p99']:.2f} / {new['ttft_p99']:.2f}"])
+                     f"{old['ttft_p50']:.2f} / {new['ttft_p50']:.2f}", f"{old['ttft_p99']:.2f} / {new['ttft_p99']:.2f}",
+                     f"{old['steps']:.0f} / {new['steps']:.0f}"])
     print_table(f"this tree against {args.baseline_src} (each run right after this tree's; medians of {args.repeats})",
                 ["server", "baseline tok/s", "this tok/s", "this / baseline", "baseline vs its 1 adapter",
-                 "this vs its 1 adapter", "TTFT p50 (s), baseline / this", "TTFT p99 (s), baseline / this"], rows)
+                 "this vs its 1 adapter", "TTFT p50 (s), baseline / this", "TTFT p99 (s), baseline / this",
+                 "decode steps, baseline / this"], rows)
 
 
 if __name__ == "__main__":
