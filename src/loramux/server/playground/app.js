@@ -326,7 +326,11 @@ function markDeparture(col, base) {
 function statsLine(col) {
   const ttft = col.first === null ? "–" : `${Math.round(col.first - col.t0)} ms`;
   const dt = col.last !== null && col.first !== null ? (col.last - col.first) / 1000 : 0;
-  const rate = dt > 0 && col.tokens > 1 ? ((col.tokens - 1) / dt).toFixed(1) : "–";
+  // tokens that arrive in one read (a fast server, a short answer) have no spread between the first and
+  // the last: the rate then counts from the request's start
+  const whole = col.last !== null ? (col.last - col.t0) / 1000 : 0;
+  const rate = dt > 0 && col.tokens > 1 ? ((col.tokens - 1) / dt).toFixed(1)
+    : whole > 0 && col.tokens > 0 ? (col.tokens / whole).toFixed(1) : "–";
   const dep = col.isBase || !$("cmp-diff").checked ? "" :
     col.departed === null ? (col.done ? " · same as base" : "") : ` · departs at token ${col.departed + 1}`;
   col.stats.textContent = `TTFT ${ttft} · ${rate} tok/s · ${col.tokens} tokens${dep}${col.done ? "" : " …"}`;
