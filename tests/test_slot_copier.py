@@ -64,16 +64,17 @@ def _spy_put(monkeypatch: pytest.MonkeyPatch, before: Callable[[str, object], No
     return where
 
 
-def _p_then_q(eng: lm.Engine) -> tuple[Future[Request], Future[Request]]:
+def _p_then_q(eng: lm.Engine, p_tokens: int = 60) -> tuple[Future[Request], Future[Request]]:
     """p's long request, decoding; then q's short one, whose slot is written beside p's decodes."""
-    long = eng.submit_async("the cat", loras={"p": 1.0}, max_tokens=60, temperature=0, ignore_eos=True)
+    long = eng.submit_async("the cat", loras={"p": 1.0}, max_tokens=p_tokens, temperature=0, ignore_eos=True)
     _until(lambda: eng.stats().decode_steps > 0, "p's request never decoded")
     return long, eng.submit_async("the dog", loras={"q": 1.0}, max_tokens=6, temperature=0, ignore_eos=True)
 
 
 def test_a_slot_write_runs_beside_the_sequences_decoding(tiny_model, two, monkeypatch):
     """While q's slot copy is held on the copier's thread, p's request keeps taking decode steps; then q's
-    request completes through its slot, and so does p's."""
+    request completes through its slot, and so does p's. (p asks for 200 tokens: a fast host runs dozens of
+    the tiny model's steps between two polls, and p must still be decoding while the copy is held.)"""
     entered, gate = threading.Event(), threading.Event()
 
     def hold(thread: str, _block: object) -> None:
@@ -83,12 +84,14 @@ def test_a_slot_write_runs_beside_the_sequences_decoding(tiny_model, two, monkey
 
     where = _spy_put(monkeypatch, hold)
     with _engine(tiny_model, two) as eng:
-        long, short = _p_then_q(eng)
-        assert entered.wait(60), "q's slot was not written on the copier's thread"
-        steps = eng.stats().decode_steps
-        _until(lambda: eng.stats().decode_steps - steps >= 20, "p stopped decoding while q's slot was written")
-        gate.set()
-        assert len(_tokens(short)) == 6 and len(_tokens(long)) == 60
+        try:
+            long, short = _p_then_q(eng, p_tokens=200)
+            assert entered.wait(60), "q's slot was not written on the copier's thread"
+            steps = eng.stats().decode_steps
+            _until(lambda: eng.stats().decode_steps - steps >= 20, "p stopped decoding while q's slot was written")
+        finally:
+            gate.set()  # a failure above must not leave the copier (and the engine's close) waiting
+        assert len(_tokens(short)) == 6 and len(_tokens(long)) == 200
         assert eng.bank is not None and eng.bank.writes == 2 and eng.stats().bank_decodes > 0
     assert where.count(COPIER) == len(where) // 2  # p's write (nothing running) inline, q's on the copier
 
