@@ -32,7 +32,7 @@ def two(tmp_path: Path) -> tuple[Path, Path]:
 
 
 def _engine(model: Path, two: tuple[Path, Path], slot_writes: str = "background") -> lm.Engine:
-    eng = lm.Engine.load(model, n_ctx=512, n_parallel=2, slots=2, slot_rank=4, n_threads=1, slot_writes=slot_writes)
+    eng = lm.Engine.load(model, n_ctx=2048, n_parallel=2, slots=2, slot_rank=4, n_threads=1, slot_writes=slot_writes)
     eng.load_lora(two[0], "p")
     eng.load_lora(two[1], "q")
     return eng
@@ -64,8 +64,10 @@ def _spy_put(monkeypatch: pytest.MonkeyPatch, before: Callable[[str, object], No
     return where
 
 
-def _p_then_q(eng: lm.Engine, p_tokens: int = 60) -> tuple[Future[Request], Future[Request]]:
-    """p's long request, decoding; then q's short one, whose slot is written beside p's decodes."""
+def _p_then_q(eng: lm.Engine, p_tokens: int = 900) -> tuple[Future[Request], Future[Request]]:
+    """p's long request, decoding; then q's short one, whose slot is written beside p's decodes. (p asks for
+    900 tokens: a fast host runs dozens of the tiny model's steps between two polls, and p must still be
+    decoding when q is admitted and for 20 steps while q's copy is held.)"""
     long = eng.submit_async("the cat", loras={"p": 1.0}, max_tokens=p_tokens, temperature=0, ignore_eos=True)
     _until(lambda: eng.stats().decode_steps > 0, "p's request never decoded")
     return long, eng.submit_async("the dog", loras={"q": 1.0}, max_tokens=6, temperature=0, ignore_eos=True)
@@ -73,8 +75,7 @@ def _p_then_q(eng: lm.Engine, p_tokens: int = 60) -> tuple[Future[Request], Futu
 
 def test_a_slot_write_runs_beside_the_sequences_decoding(tiny_model, two, monkeypatch):
     """While q's slot copy is held on the copier's thread, p's request keeps taking decode steps; then q's
-    request completes through its slot, and so does p's. (p asks for 200 tokens: a fast host runs dozens of
-    the tiny model's steps between two polls, and p must still be decoding while the copy is held.)"""
+    request completes through its slot, and so does p's."""
     entered, gate = threading.Event(), threading.Event()
 
     def hold(thread: str, _block: object) -> None:
@@ -85,13 +86,13 @@ def test_a_slot_write_runs_beside_the_sequences_decoding(tiny_model, two, monkey
     where = _spy_put(monkeypatch, hold)
     with _engine(tiny_model, two) as eng:
         try:
-            long, short = _p_then_q(eng, p_tokens=200)
+            long, short = _p_then_q(eng)
             assert entered.wait(60), "q's slot was not written on the copier's thread"
             steps = eng.stats().decode_steps
             _until(lambda: eng.stats().decode_steps - steps >= 20, "p stopped decoding while q's slot was written")
         finally:
             gate.set()  # a failure above must not leave the copier (and the engine's close) waiting
-        assert len(_tokens(short)) == 6 and len(_tokens(long)) == 200
+        assert len(_tokens(short)) == 6 and len(_tokens(long)) == 900
         assert eng.bank is not None and eng.bank.writes == 2 and eng.stats().bank_decodes > 0
     assert where.count(COPIER) == len(where) // 2  # p's write (nothing running) inline, q's on the copier
 
@@ -110,7 +111,7 @@ def test_a_failed_copy_fails_its_request_alone_and_leaves_the_slot_free(tiny_mod
         long, bad = _p_then_q(eng)
         with pytest.raises(BackendError, match="'q'.*simulated copy failure"):
             _tokens(bad)
-        assert len(_tokens(long)) == 60
+        assert len(_tokens(long)) == 900
         failing[0] = False
         again = eng.generate("the dog", loras={"q": 1.0}, max_tokens=6, temperature=0, ignore_eos=True)
         assert len(again.tokens) == 6
