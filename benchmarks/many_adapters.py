@@ -27,6 +27,7 @@ import shlex
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -88,9 +89,13 @@ def one_request(srv: Server, i: int, adapter: int, n_tokens: int) -> tuple[float
     return time.perf_counter() - t0, ttft, n
 
 
-def run_cell(srv: Server, seq: list[int], parallel: int, n_tokens: int) -> dict[str, float]:
+def run_cell(srv: Server, seq: list[int], parallel: int, n_tokens: int,
+             figures: Callable[[], dict[str, float]] | None = None) -> dict[str, float]:
+    """One run of the requests `seq` (adapter per request), `parallel` in flight, after a warm-up of one each;
+    with `figures`, its readings after the warm-up and at the end become the run's work (`work_figures`)."""
     with ThreadPoolExecutor(parallel) as ex:
         list(ex.map(lambda i: one_request(srv, i, seq[i % len(seq)], 4), range(parallel)))  # warm-up
+        start = figures() if figures is not None else None
         t0 = time.perf_counter()
         res = list(ex.map(lambda i: one_request(srv, i, seq[i], n_tokens), range(len(seq))))
         wall = time.perf_counter() - t0
@@ -99,13 +104,15 @@ def run_cell(srv: Server, seq: list[int], parallel: int, n_tokens: int) -> dict[
 
     def q(xs: list[float], p: float) -> float:
         return xs[min(len(xs) - 1, int(p * len(xs)))] if xs else float("nan")
-    return {"tok_s": sum(n for _, _, n in res) / wall, "p50": q(lat, 0.5), "p99": q(lat, 0.99),
-            "ttft_p50": q(ttft, 0.5), "ttft_p99": q(ttft, 0.99), "wall": wall,
-            "distinct": len(set(seq))}
+    out = {"tok_s": sum(n for _, _, n in res) / wall, "p50": q(lat, 0.5), "p99": q(lat, 0.99),
+           "ttft_p50": q(ttft, 0.5), "ttft_p99": q(ttft, 0.99), "wall": wall, "distinct": len(set(seq))}
+    if figures is not None and start is not None:
+        out.update(work_figures(start, figures(), wall, len(seq)))
+    return out
 
 
 BANK_FIGURES = ("loramux_slot_wait_p99_seconds", "loramux_slot_wait_max_steps", "loramux_decode_steps_total",
-                "loramux_bank_decodes_total")
+                "loramux_bank_decodes_total", "llamacpp:prompt_tokens_total", "llamacpp:tokens_predicted_total")
 
 
 BASELINE = "loramux (baseline)"
@@ -124,6 +131,19 @@ def bank_figures(srv: Server) -> dict[str, float]:
         if name in out:
             out[name] = float(value)
     return out
+
+
+def work_figures(before: dict[str, float], after: dict[str, float], wall: float, n_requests: int
+                 ) -> dict[str, float]:
+    """One run's engine work from /metrics deltas: decode steps, prompt tokens evaluated (cached ones are not
+    counted) per request, all tokens (prompt evaluated and generated) per step and per second. A server that
+    reuses fewer prompt prefixes evaluates more prompt tokens for the same generated ones: these say whether a
+    slower server did more work or did the same work more slowly."""
+    steps, prompt, gen = (after[k] - before[k] for k in ("loramux_decode_steps_total", "llamacpp:prompt_tokens_total",
+                                                        "llamacpp:tokens_predicted_total"))
+    return {"steps": steps, "prompt_per_request": prompt / n_requests,
+            "tokens_per_step": (prompt + gen) / steps if steps else float("nan"),
+            "work_tok_s": (prompt + gen) / wall}
 
 
 def write_adapters(work: Path, model: Path, n: int, rank: int) -> list[str]:
@@ -171,14 +191,16 @@ def bench_systems(systems: list[tuple[str, list[str], str]], adapters: list[str]
             before = {label: bank_figures(srv) for label, kind, srv in live if kind == "loramux"}
             for rep in range(max(1, args.repeats)):
                 seq = adapter_sequence(len(adapters), args.requests, dist, args.zipf_s, seed=7 + rep)
-                for label, _, srv in live:
+                for label, kind, srv in live:
                     srv.unique_seed = rep
-                    runs[label].append(run_cell(srv, seq, args.parallel, args.tokens))
+                    figures = (lambda s=srv: bank_figures(s)) if kind == "loramux" else None
+                    runs[label].append(run_cell(srv, seq, args.parallel, args.tokens, figures))
             for label, kind, srv in live:
                 rs = sorted(runs[label], key=lambda r: r["tok_s"])
                 cell = out[label][dist] = {**rs[(len(rs) - 1) // 2], "all_tok_s": [r["tok_s"] for r in rs],
                                            "all_ttft_p50": sorted(r["ttft_p50"] for r in rs),
-                                           "all_ttft_p99": sorted(r["ttft_p99"] for r in rs)}
+                                           "all_ttft_p99": sorted(r["ttft_p99"] for r in rs),
+                                           "all_work_tok_s": [r.get("work_tok_s", float("nan")) for r in rs]}
                 if kind == "loramux":  # gauges over recent waits; counters since start (so: the difference)
                     after = bank_figures(srv)
                     steps = after["loramux_decode_steps_total"] - before[label]["loramux_decode_steps_total"]
@@ -349,6 +371,7 @@ def report(results: dict[str, dict[int, Any]], counts: list[int], args: argparse
                     ["adapters", "loramux", f"tok/s vs {ref_n}", f"TTFT p50 / p99 vs {ref_n}", "llama-server",
                      "loramux / llama-server", "loramux latency", "llama-server latency", "loramux TTFT",
                      "llama-server TTFT", "loramux slot wait p99", "slot wait max steps", "bank decodes"], rows)
+        work_table(results["loramux"], counts, ref_n, dist)
     rows = []
     for n in counts:
         lm, ls = results["loramux"].get(n) or {}, results["llama-server"].get(n) or {}
@@ -357,6 +380,25 @@ def report(results: dict[str, dict[int, Any]], counts: list[int], args: argparse
                      f"{ls.get('rss_end_mb', float('nan')):.0f}" if ls else "-"])
     print_table("server RSS (MB): after start with N adapters loaded, and after the runs",
                 ["adapters", "loramux start", "loramux end", "llama-server start", "llama-server end"], rows)
+
+
+def work_table(res: dict[int, Any], counts: list[int], ref_n: int, dist: str) -> None:
+    """loramux's engine work per count (the median run's /metrics deltas): prompt tokens evaluated per request,
+    decode steps, tokens per step, and all tokens (prompt evaluated and generated) per second against the
+    reference: a ratio near 1 there with a lower tokens/s ratio means the same engine speed spent on more
+    prompt tokens (prefixes not reused), not a slower engine."""
+    one, rows = _cell(res.get(ref_n), dist), []
+    for n in counts:
+        c = _cell(res.get(n), dist)
+        if not c or "steps" not in c:
+            continue
+        rows.append([str(n), f"{c['prompt_per_request']:.1f}", f"{c['steps']:.0f}", f"{c['tokens_per_step']:.1f}",
+                     f"{_med(c['all_work_tok_s']):.1f}",
+                     f"{_med(c['all_work_tok_s']) / _med(one['all_work_tok_s']):.2f}" if one else "-",
+                     f"{_med(c['all_tok_s']) / _med(one['all_tok_s']):.2f}" if one else "-"])
+    print_table(f"{dist}: loramux's work (median run; prompt tokens evaluated exclude reused prefixes)",
+                ["adapters", "prompt tokens / request", "decode steps", "tokens / step", "all tokens/s",
+                 f"all tokens/s vs {ref_n}", f"generated tok/s vs {ref_n}"], rows)
 
 
 def report_baseline(results: dict[str, dict[int, Any]], counts: list[int], args: argparse.Namespace) -> None:
