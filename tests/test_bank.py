@@ -609,7 +609,7 @@ def _wait_generating(streams, deadline_s=60.0):
     end = time.monotonic() + deadline_s
     while any(len(s.request.generated) < 2 for s in streams):
         assert time.monotonic() < end, "requests did not start generating"
-        time.sleep(0.005)
+        time.sleep(0.0005)  # short: a fast host decodes dozens of the tiny model's tokens in 5 ms
 
 
 @pytest.fixture()
@@ -666,7 +666,8 @@ def test_failed_slot_write_fails_only_its_request_and_leaves_the_slot_empty(rank
     with pytest.raises(BackendError, match="'mixed'.*device lost"):
         _result(failing)
     states = eng.call(lambda: [(s.adapter.name if s.adapter else None, s.refs) for s in eng.bank.slots])
-    assert ("plain", 1) in states and ("mixed", 0) not in states and states.count((None, 0)) == 3
+    names = [n for n, _ in states]  # plain's slot holds 1 user, or 0 if its request already ended (fast host)
+    assert names.count("plain") == 1 and "mixed" not in names and states.count((None, 0)) == 3
     monkeypatch.setattr(SlotMemory, "put", real)
     again_stream = eng.stream(toks[2], loras={"mixed": 1.0}, max_tokens=8, ignore_eos=True)
     again = _result(again_stream)
