@@ -35,7 +35,7 @@ from typing import Any
 
 import httpx
 from _common import common_args, dump_json, machine_info, model_path, print_machine, print_table
-from many_adapters import adapter_sequence, link_dir, rss_mb, run_cell, write_adapters
+from many_adapters import adapter_sequence, bank_figures, link_dir, rss_mb, run_cell, write_adapters
 from serve import Server
 
 from loramux.server.lora_dirs import scan
@@ -61,21 +61,6 @@ def endpoint(srv: Server, path: str, repeats: int = 5) -> tuple[int, float]:
     return sizes[-1], statistics.median(times)
 
 
-def step_counts(srv: Server) -> tuple[float, float, float]:
-    """(decode steps, prompt tokens decoded, tokens generated) so far, from the server's /metrics."""
-    return (metric(srv, "loramux_decode_steps_total"), metric(srv, "llamacpp:prompt_tokens_total"),
-            metric(srv, "llamacpp:tokens_predicted_total"))
-
-
-def step_figures(before: tuple[float, float, float], after: tuple[float, float, float], wall: float
-                 ) -> dict[str, float]:
-    """One run's decode steps, seconds per step and tokens (prompt and generated) per step: whether a server
-    is slower because its steps cost more or because it needs more of them for the same tokens."""
-    steps, prompt, gen = (b - a for a, b in zip(before, after))
-    return {"steps": steps, "ms_per_step": wall / steps * 1000 if steps else float("nan"),
-            "tokens_per_step": (prompt + gen) / steps if steps else float("nan")}
-
-
 def bench(label: str, argv: list[str], n_adapters: int, args: argparse.Namespace) -> dict[str, Any]:
     srv = Server(argv, "loramux", [])
     srv.unique_prompts = args.unique_prompts
@@ -85,9 +70,7 @@ def bench(label: str, argv: list[str], n_adapters: int, args: argparse.Namespace
         for rep in range(max(1, args.repeats)):
             seq = adapter_sequence(n_adapters, args.requests, "zipf", 1.0, seed=7 + rep)
             srv.unique_seed = rep
-            before = step_counts(srv)
-            runs.append(run_cell(srv, seq, args.parallel, args.tokens))
-            runs[-1].update(step_figures(before, step_counts(srv), runs[-1]["wall"]))
+            runs.append(run_cell(srv, seq, args.parallel, args.tokens, lambda: bank_figures(srv)))
         runs.sort(key=lambda r: r["tok_s"])
         out.update(runs[(len(runs) - 1) // 2])
         out["all_tok_s"] = [r["tok_s"] for r in runs]

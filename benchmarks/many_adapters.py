@@ -142,6 +142,7 @@ def work_figures(before: dict[str, float], after: dict[str, float], wall: float,
     steps, prompt, gen = (after[k] - before[k] for k in ("loramux_decode_steps_total", "llamacpp:prompt_tokens_total",
                                                         "llamacpp:tokens_predicted_total"))
     return {"steps": steps, "prompt_per_request": prompt / n_requests,
+            "ms_per_step": wall / steps * 1000 if steps else float("nan"),
             "tokens_per_step": (prompt + gen) / steps if steps else float("nan"),
             "work_tok_s": (prompt + gen) / wall}
 
