@@ -233,7 +233,7 @@ def _until(cond, timeout: float = 60.0, must: bool = True) -> None:  # noqa: ANN
         if time.monotonic() > deadline:
             assert not must, "timed out"
             return
-        time.sleep(0.005)
+        time.sleep(0.0005)  # short: a fast host decodes dozens of the tiny model's tokens in 5 ms
 
 
 def _rss() -> int:
@@ -248,14 +248,16 @@ def test_loads_arriving_together_are_loaded_on_their_own_threads(tiny_model, col
     submitting thread, so the engine registers all three in one step, none waiting for a turn."""
     from loramux.engine.residency import ColdAdapter
 
-    with lm.Engine.load(tiny_model, n_ctx=256, n_parallel=4, n_threads=1, slots=0) as eng:
+    with lm.Engine.load(tiny_model, n_ctx=1024, n_parallel=4, n_threads=1, slots=0) as eng:
         eng.load_lora(cold_dir / "c0.gguf", "p")
         names = ["c1", "c2", "c3"]
         eng.call(lambda: eng.loaded.register_cold(ColdAdapter(n, cold_dir / f"{n}.gguf", n) for n in names))
         threads: list[str] = []
         real = eng.loaded._build
         eng.loaded._build = lambda cold: (threads.append(threading.current_thread().name), real(cold))[1]
-        long = eng.submit_async(PROMPT, loras={"p": 1.0}, max_tokens=120, ignore_eos=True).result()
+        # 900 tokens: `long` must still decode when the engine is held (a fast host decodes the tiny model's
+        # tokens in ~0.1 ms; 120 could all go by within one poll of _until)
+        long = eng.submit_async(PROMPT, loras={"p": 1.0}, max_tokens=900, ignore_eos=True).result()
         _until(lambda: eng.scheduler.stats.decode_steps >= 2)
         gate = threading.Event()
         eng.call_async(gate.wait)  # hold the engine while the three submits queue behind it
@@ -276,7 +278,7 @@ def test_loads_left_to_the_engine_thread_take_one_decode_step_each(tiny_model, c
     (such a load costs tens of ms), never three back to back."""
     from loramux.engine.residency import ColdAdapter
 
-    with lm.Engine.load(tiny_model, n_ctx=256, n_parallel=4, n_threads=1, slots=0) as eng:
+    with lm.Engine.load(tiny_model, n_ctx=1024, n_parallel=4, n_threads=1, slots=0) as eng:
         eng.load_lora(cold_dir / "c0.gguf", "p")
         names = ["c1", "c2", "c3"]
         eng.call(lambda: eng.loaded.register_cold(ColdAdapter(n, cold_dir / f"{n}.gguf", n) for n in names))
@@ -284,7 +286,9 @@ def test_loads_left_to_the_engine_thread_take_one_decode_step_each(tiny_model, c
         at: list[int] = []
         real = eng.loaded._build
         eng.loaded._build = lambda cold: (at.append(eng.scheduler.stats.decode_steps), real(cold))[1]
-        long = eng.submit_async(PROMPT, loras={"p": 1.0}, max_tokens=120, ignore_eos=True).result()
+        # 900 tokens: `long` must still decode when the engine is held (a fast host decodes the tiny model's
+        # tokens in ~0.1 ms; 120 could all go by within one poll of _until)
+        long = eng.submit_async(PROMPT, loras={"p": 1.0}, max_tokens=900, ignore_eos=True).result()
         _until(lambda: eng.scheduler.stats.decode_steps >= 2)
         gate = threading.Event()
         eng.call_async(gate.wait)  # hold the engine while the three submits queue behind it

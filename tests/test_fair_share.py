@@ -312,13 +312,16 @@ def test_a_long_prompt_goes_in_pieces_and_turns_beside_a_decoding_neighbour(tiny
     with lm.Engine.load(tiny_model, n_ctx=1024, n_threads=2, n_parallel=2, prefill_step_tokens=8) as eng:
         toks = (eng.tokenize("the history of the river valley") * 120)[:600]
         seen = _batches(eng)
-        n = eng.submit("the dog ran", max_tokens=48, ignore_eos=True, temperature=0)
-        for _ in range(20000):
+        # 120 tokens: n must still decode when the long prompt arrives (a fast host decodes the tiny model's
+        # tokens in ~0.1 ms, and 48 could all go by in one poll), and end while pieces of it are left (75 of
+        # them, at most one every other step: 150 steps)
+        n = eng.submit("the dog ran", max_tokens=120, ignore_eos=True, temperature=0)
+        for _ in range(200000):
             if eng.scheduler.stats.generated_tokens >= 4:
                 break
-            time.sleep(0.002)
+            time.sleep(0.0005)
         long = eng.submit(toks, max_tokens=1, temperature=0)
-        assert len(_tokens(n)) == 48 and len(_tokens(long)) == 1
+        assert len(_tokens(n)) == 120 and len(_tokens(long)) == 1
         clock = eng.scheduler.clock  # what the turns are weighed by, measured as the engine ran
         assert clock.step_s > 0 and clock.token_s > 0, (clock.step_s, clock.token_s)
     near, far = n.seq, long.seq
@@ -423,13 +426,15 @@ def test_the_scheduler_weighs_a_long_prompt_against_the_sequences_decoding(tiny_
         return real(r, prefill_step_tokens, clock, every, decoding)
     monkeypatch.setattr(fairness, "turn_every", spy)
     with lm.Engine.load(tiny_model, n_ctx=1024, n_threads=2, n_parallel=4, prefill_step_tokens=8) as eng:
-        near = [eng.submit(f"the dog ran {i}", max_tokens=64, ignore_eos=True, temperature=0) for i in range(3)]
-        for _ in range(20000):
+        # 400 tokens each: they must still decode when the long prompt arrives (a fast host decodes the tiny
+        # model's tokens in ~0.1 ms, and 64 steps could all go by in one poll)
+        near = [eng.submit(f"the dog ran {i}", max_tokens=400, ignore_eos=True, temperature=0) for i in range(3)]
+        for _ in range(200000):
             if eng.scheduler.stats.generated_tokens >= 6:
                 break
-            time.sleep(0.002)
+            time.sleep(0.0005)
         long = eng.submit((eng.tokenize("the history of the river valley") * 20)[:120], max_tokens=1, temperature=0)
-        assert len(_tokens(long)) == 1 and all(len(_tokens(n)) == 64 for n in near)
+        assert len(_tokens(long)) == 1 and all(len(_tokens(n)) == 400 for n in near)
     assert seen and max(seen) == 3, seen
 
 
