@@ -252,20 +252,19 @@ def test_a_request_waits_for_a_slot_at_most_the_stated_number_of_steps(tiny_mode
                         loras=[lm.LoraSpec(str(p), 0.0, name=p.stem) for p in files]) as eng:
         toks = eng.tokenize(PROMPTS[0])
 
-        def submit(name):
-            def on_event(kind, _v, box=[]):  # noqa: B006 - the box holds this request (set below)
+        def submit(i, name):
+            # keyed by the request's place in `order`: on a fast host it can end before submit() returns
+            def on_event(kind, _v):
                 if kind == "done":
-                    done_step[id(box[0])] = eng.scheduler.stats.decode_steps
-            r = eng.submit(toks, loras={name: 1.0}, max_tokens=10, ignore_eos=True, on_event=on_event)
-            on_event.__defaults__[0].append(r)
-            return r
+                    done_step[i] = eng.scheduler.stats.decode_steps
+            return eng.submit(toks, loras={name: 1.0}, max_tokens=10, ignore_eos=True, on_event=on_event)
         order = ["A", "B", "C"] + ["A", "B"] * 12 + ["D", "E"] + ["A", "B"] * 4
-        reqs = [submit(n) for n in order]
+        reqs = [submit(i, n) for i, n in enumerate(order)]
         for r in reqs:
             lm.TextStream(r).consume()
         reported = eng.scheduler.slot_wait_quantiles().max_steps
     waits = [r.admitted_step - r.blocked_step for r in reqs if r.blocked_step is not None]
-    hold = max(done_step[id(r)] - r.admitted_step for r in reqs)
+    hold = max(done_step[i] - r.admitted_step for i, r in enumerate(reqs))
     assert max(waits) <= SLOT_WAIT_STEPS + hold, (waits, hold)  # here: 41 ≤ 32 + 10
     assert len(waits) >= 3 and max(waits) > 0  # C, D and E did wait: the bank was contended
     assert reported == max(waits)
