@@ -106,7 +106,7 @@ def run_cell(srv: Server, seq: list[int], parallel: int, n_tokens: int,
         return xs[min(len(xs) - 1, int(p * len(xs)))] if xs else float("nan")
     out = {"tok_s": sum(n for _, _, n in res) / wall, "p50": q(lat, 0.5), "p99": q(lat, 0.99),
            "ttft_p50": q(ttft, 0.5), "ttft_p99": q(ttft, 0.99), "wall": wall, "distinct": len(set(seq))}
-    if figures is not None and start is not None:
+    if start is not None:
         out.update(work_figures(start, figures(), wall, len(seq)))
     return out
 
@@ -135,13 +135,14 @@ def bank_figures(srv: Server) -> dict[str, float]:
 
 def work_figures(before: dict[str, float], after: dict[str, float], wall: float, n_requests: int
                  ) -> dict[str, float]:
-    """One run's engine work from /metrics deltas: decode steps, prompt tokens evaluated (cached ones are not
+    """One run's engine work from /metrics deltas: decode steps (and those through the bank), prompt tokens evaluated (cached ones are not
     counted) per request, all tokens (prompt evaluated and generated) per step and per second. A server that
     reuses fewer prompt prefixes evaluates more prompt tokens for the same generated ones: these say whether a
     slower server did more work or did the same work more slowly."""
-    steps, prompt, gen = (after[k] - before[k] for k in ("loramux_decode_steps_total", "llamacpp:prompt_tokens_total",
-                                                        "llamacpp:tokens_predicted_total"))
-    return {"steps": steps, "prompt_per_request": prompt / n_requests,
+    steps, banked, prompt, gen = (after[k] - before[k] for k in (
+        "loramux_decode_steps_total", "loramux_bank_decodes_total", "llamacpp:prompt_tokens_total",
+        "llamacpp:tokens_predicted_total"))
+    return {"steps": steps, "bank_decodes": banked, "prompt_per_request": prompt / n_requests,
             "ms_per_step": wall / steps * 1000 if steps else float("nan"),
             "tokens_per_step": (prompt + gen) / steps if steps else float("nan"),
             "work_tok_s": (prompt + gen) / wall}
@@ -189,7 +190,6 @@ def bench_systems(systems: list[tuple[str, list[str], str]], adapters: list[str]
             out[label] = {"startup_s": srv.startup, "rss_start_mb": rss_mb(srv.proc.pid)}
         for dist in args.dists:
             runs: dict[str, list[dict[str, float]]] = {label: [] for label, _, _ in live}
-            before = {label: bank_figures(srv) for label, kind, srv in live if kind == "loramux"}
             for rep in range(max(1, args.repeats)):
                 seq = adapter_sequence(len(adapters), args.requests, dist, args.zipf_s, seed=7 + rep)
                 for label, kind, srv in live:
@@ -202,13 +202,11 @@ def bench_systems(systems: list[tuple[str, list[str], str]], adapters: list[str]
                                            "all_ttft_p50": sorted(r["ttft_p50"] for r in rs),
                                            "all_ttft_p99": sorted(r["ttft_p99"] for r in rs),
                                            "all_work_tok_s": [r.get("work_tok_s", float("nan")) for r in rs]}
-                if kind == "loramux":  # gauges over recent waits; counters since start (so: the difference)
-                    after = bank_figures(srv)
-                    steps = after["loramux_decode_steps_total"] - before[label]["loramux_decode_steps_total"]
-                    banked = after["loramux_bank_decodes_total"] - before[label]["loramux_bank_decodes_total"]
+                if kind == "loramux":  # gauges over recent waits; the bank's share of the runs' decode steps
+                    after, steps = bank_figures(srv), sum(r["steps"] for r in rs)
                     cell.update(slot_wait_p99=after["loramux_slot_wait_p99_seconds"],
                                 slot_wait_max_steps=after["loramux_slot_wait_max_steps"],
-                                bank_share=banked / steps if steps else float("nan"))
+                                bank_share=sum(r["bank_decodes"] for r in rs) / steps if steps else float("nan"))
                 print(f"{label}, {len(adapters)} adapters, {dist}: {cell['tok_s']:.1f} tok/s", file=sys.stderr)
         for label, _, srv in live:
             out[label]["rss_end_mb"] = rss_mb(srv.proc.pid)
