@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -370,6 +371,77 @@ def test_discovery_falls_back_to_a_decode_without_the_graph(engine, tiny_dir, mo
         assert {t: (f.a_shape, f.b_shape) for t, f in a.factor_tensors().items()} == names
     finally:
         engine.call(a.close)
+
+
+def _count_probe_contexts(monkeypatch: pytest.MonkeyPatch) -> tuple[list[int], dict[int, list[int]]]:
+    """Context creations, and every adapter set each context was given (by context pointer)."""
+    made: list[int] = []
+    sets: dict[int, list[int]] = {}
+    real_create, real_set = N.ContextHandle.create.__func__, N.ContextHandle.set_adapters
+
+    def create(cls: type, *a: object, **k: object) -> N.ContextHandle:
+        made.append(1)
+        return real_create(cls, *a, **k)
+
+    def set_adapters(self: N.ContextHandle, adapters: list, scales: list) -> bool:
+        sets.setdefault(id(self), []).append(len(adapters))
+        return real_set(self, adapters, scales)
+    monkeypatch.setattr(N.ContextHandle, "create", classmethod(create))
+    monkeypatch.setattr(N.ContextHandle, "set_adapters", set_adapters)
+    return made, sets
+
+
+def test_discoveries_share_the_model_probe_context(engine, tmp_path, monkeypatch):
+    """Loads do not make a context each (in a busy server that was most of a cold load): the model's probe
+    context serves every discovery with as many targets as the one it was made for, a new one is made for
+    an adapter with more, each finds that adapter's own tensors, and the probe keeps no adapter set."""
+    small = [write_tiny_lora(tmp_path / f"s{k}.gguf", seed=10 + k, targets=("blk.0.attn_q.weight",
+                                                                          "blk.1.ffn_down.weight"))
+             for k in range(2)]
+    full = [write_tiny_lora(tmp_path / f"f{k}.gguf", seed=20 + k, rank=2 + k) for k in range(3)]
+    made, sets = _count_probe_contexts(monkeypatch)
+    loaded = []
+    try:
+        for path, n_made in [(small[0], 1), (small[1], 1), (full[0], 2), (full[1], 2), (small[0], 2),
+                             (full[2], 2)]:
+            a = LoRAAdapter(engine.model, path, path.stem)  # on this thread: loads run on any thread
+            loaded.append(a)
+            assert len(made) == n_made, f"{path.name}: {len(made)} contexts made, {n_made} expected"
+            file = read_adapter_factors(path)
+            assert sorted(a.factor_tensors()) == sorted(file)
+            for t, (fa, fb) in a.all_factors().items():  # the pointers found are this adapter's tensors
+                assert np.array_equal(fa, file[t][0]) and np.array_equal(fb, file[t][1]), (path.name, t)
+        assert sets and all(s[-1] == 0 for s in sets.values())  # every look ends with no adapter set
+    finally:
+        for a in loaded:
+            a.close()
+
+
+def test_concurrent_loads_each_find_their_own_tensors(engine, tmp_path):
+    """Loads on several threads at once share the probe context, one look at a time."""
+    paths = [write_tiny_lora(tmp_path / f"c{k}.gguf", seed=40 + k) for k in range(6)]
+    got: dict[str, LoRAAdapter] = {}
+    errors: list[BaseException] = []
+
+    def load(p: Path) -> None:
+        try:
+            got[p.stem] = LoRAAdapter(engine.model, p, p.stem)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+    threads = [threading.Thread(target=load, args=(p,)) for p in paths]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    try:
+        assert not errors, errors
+        for p in paths:
+            file = read_adapter_factors(p)
+            for t, (fa, fb) in got[p.stem].all_factors().items():
+                assert np.array_equal(fa, file[t][0]) and np.array_equal(fb, file[t][1]), (p.name, t)
+    finally:
+        for a in got.values():
+            a.close()
 
 
 def test_discovery_refuses_live_factors_that_differ_from_the_file(engine, tiny_dir, monkeypatch):

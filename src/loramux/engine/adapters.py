@@ -1,8 +1,8 @@
 """LoRA adapters: validated load, identity, file info, tensor discovery and factor reads.
 
 An adapter's factor tensors live where llama.cpp allocated them; the compute graph points at them.
-We find them once per adapter (the graph of a one-token decode, built but not computed, on a short-lived
-context with only this adapter active), check what we found against the file, and from then on read them directly
+We find them once per adapter (the graph of a one-token decode, built but not computed, on the model's
+kept probe context with only this adapter active: model.GraphProbe), check what we found against the file, and from then on read them directly
 with `ggml_backend_tensor_get`. Writes belong to the adapter's `FactorWriter` (factor_writer.py:
 staging, one lock, the hop between decodes); `set_factors*` and `edit()` here hand over to it.
 """
@@ -34,7 +34,7 @@ from ..gguf_io import (
 )
 from .factor_stage import FactorTensors, delta_bound_problems
 from .factor_writer import FactorWriter
-from .model import Context, ContextOptions, Model
+from .model import PROBE_OPTIONS, Context, Model
 
 _uid = itertools.count(1)
 CONTENT_CHECKS = 4  # targets whose live factors discovery reads back and compares with the file
@@ -188,25 +188,26 @@ class LoRAAdapter:
                 if nm.endswith((LORA_A, LORA_B)):
                     found.setdefault(nm, s)
 
+        # The model's kept probe context: the graph built, not computed (a decode costs ~5x more)
+        if not self.model.probe.look(self.handle, len(self.targets), see):
+            self._discover_by_decode(see)
+        return self._check_discovered(found, file_factors)
+
+    def _discover_by_decode(self, see: Callable[[int], None]) -> None:
+        """Where llama.cpp cannot build a graph without computing it: decode one token on a context of
+        its own with this adapter, seeing every node through the eval callback."""
         def cb(t: int, ask: bool) -> bool:
             if ask:
                 see(t)
             return False  # never split the graph; the ask pass sees every node
 
-        # A fresh context, made after the adapter was loaded: llama.cpp sizes its graph for the adapters
-        # loaded by then. One thread and one-token batches: nothing here gains from more.
-        ctx = Context(self.model, ContextOptions(n_ctx=64, n_batch=1, n_ubatch=1, n_seq_max=1, n_threads=1),
-                      callback=cb)
+        # made after the adapter was loaded: llama.cpp sizes a context's graph for the adapters loaded by then
+        ctx = Context(self.model, PROBE_OPTIONS, callback=cb)
         try:
             ctx.handle.set_adapters([self.handle], [1.0])
-            nodes = ctx.handle.graph_nodes()  # the graph built, not computed (a decode costs ~5x more)
-            if nodes is None:
-                ctx.prefill(0, [self.model.handle.bos if self.model.handle.bos >= 0 else 0])
-            for t in nodes or ():
-                see(t)
+            ctx.prefill(0, [self.model.handle.bos if self.model.handle.bos >= 0 else 0])
         finally:
             ctx.close()
-        return self._check_discovered(found, file_factors)
 
     def _check_discovered(self, found: dict[str, int],
                           file_factors: dict[str, tuple[np.ndarray, np.ndarray]]) -> dict[str, FactorTensors]:

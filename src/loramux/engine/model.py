@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import codecs
 import os
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -70,6 +71,8 @@ class Model:
         self.n_ctx_train = self.handle.n_ctx_train
         self.architecture = self.header.architecture or "?"
         self.name = str(self.header.metadata.get("general.name") or p.stem)
+        #: the context kept for looking at graphs (adapter discovery): GraphProbe
+        self.probe = GraphProbe(self)
 
     # -- facts -------------------------------------------------------------------------------
     @cached_property
@@ -103,6 +106,7 @@ class Model:
         return self.handle.is_eog(token)
 
     def close(self) -> None:
+        self.probe.close()  # a context of this model: freed before it
         self.handle.close()
 
 
@@ -193,4 +197,56 @@ class Context:
         self.handle.close()
 
 
-__all__ = ["Context", "ContextOptions", "Model", "default_threads"]
+PROBE_OPTIONS = ContextOptions(n_ctx=64, n_batch=1, n_ubatch=1, n_seq_max=1, n_threads=1)
+
+
+class GraphProbe:
+    """One small context of a model, kept to look at the graph of a one-token decode with one adapter
+    active, built but not computed (how an adapter's live tensors are found: adapters.py).
+
+    Kept, not made per look: a new context reserves scheduler and graph room for every adapter the model
+    holds (`graph_max_nodes`), tens of MB allocated and zeroed with 64 adapters loaded, under the model's
+    adapter lock; made per cold load, that was most of a load's time in a busy server. The kept context
+    was sized when it was made, with the adapter it was made for loaded: llama.cpp's room per adapter is
+    6 nodes per target, so any adapter with no more targets fits (`look` makes a new one for one with more).
+    One look at a time (the graph is the context's); any thread.
+    """
+
+    def __init__(self, model: Model) -> None:
+        self.model = model
+        self._lock = threading.Lock()
+        self._ctx: Context | None = None
+        self._room = 0  # targets of the adapter the context was made with
+        self._closed = False
+
+    def look(self, adapter: N.AdapterHandle, n_targets: int, see: Callable[[int], None]) -> bool:
+        """Call `see` on every node of a one-token decode's graph with only `adapter` active (scale 1),
+        while the graph exists. `n_targets`: the adapter's target count. False, with nothing seen, where this
+        llama.cpp cannot build a graph without computing it (then decode with an eval callback instead)."""
+        with self._lock:
+            if self._closed:
+                raise ModelError(str(self.model.path), "the model was closed")
+            if self._ctx is None or n_targets > self._room:
+                if self._ctx is not None:
+                    self._ctx.close()
+                    self._ctx = None
+                self._ctx, self._room = Context(self.model, PROBE_OPTIONS), n_targets
+            handle = self._ctx.handle
+            handle.set_adapters([adapter], [1.0])
+            try:
+                nodes = handle.graph_nodes()
+                for t in nodes or ():
+                    see(t)
+            finally:
+                handle.set_adapters([], [])  # hold no pointer to an adapter that may be freed next
+            return nodes is not None
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            if self._ctx is not None:
+                self._ctx.close()
+                self._ctx = None
+
+
+__all__ = ["Context", "ContextOptions", "GraphProbe", "Model", "default_threads"]
