@@ -6,7 +6,8 @@ one rank-r F16 adapter, so the disk holds one) registered with `--lora-dir` and 
 drawn by Zipf (s = 1) over all R. Per server: aggregate generated tokens/s (median of --repeats runs, the
 same seeded request sequences for each), TTFT p50/p99, the server's RSS after the runs, the longest gap
 between two decodes while sequences ran (`loramux_decode_gap_max_seconds`: what cold loads cost the
-sequences already decoding) and cold loads done; for each R, start time minus the one-adapter server's
+sequences already decoding), cold loads done, and the server's CPU per decode step and minor page faults
+after the warm-up (what the loads cost beside the decodes); for each R, start time minus the one-adapter server's
 over R (registration per adapter), an in-process `scan` of the directory, and /v1/models and /metrics
 response sizes and latencies.
 
@@ -61,6 +62,31 @@ def endpoint(srv: Server, path: str, repeats: int = 5) -> tuple[int, float]:
     return sizes[-1], statistics.median(times)
 
 
+def process_usage(pid: int) -> tuple[float, int]:
+    """(CPU seconds, minor page faults) of a process so far, every thread together (Linux; NaN, 0 elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan"), 0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), int(fields[7])
+
+
+def measured_run(srv: Server, seq: list[int], args: argparse.Namespace) -> dict[str, Any]:
+    """One run, with the server's CPU per decode step and its minor page faults, counted after the warm-up
+    (what cold loads cost beside the decodes: parse, checks, discovery, fresh memory)."""
+    usage: list[tuple[float, int]] = []
+
+    def figures() -> dict[str, float]:
+        got = bank_figures(srv)
+        usage.append(process_usage(srv.proc.pid))
+        return got
+    r = run_cell(srv, seq, args.parallel, args.tokens, figures)
+    (cpu0, flt0), (cpu1, flt1) = usage[0], usage[-1]
+    r["cpu_ms_per_step"] = (cpu1 - cpu0) / max(1.0, r["steps"]) * 1000
+    r["page_faults_k"] = (flt1 - flt0) / 1000
+    return r
+
+
 def bench(label: str, argv: list[str], n_adapters: int, args: argparse.Namespace) -> dict[str, Any]:
     srv = Server(argv, "loramux", [])
     srv.unique_prompts = args.unique_prompts
@@ -70,7 +96,7 @@ def bench(label: str, argv: list[str], n_adapters: int, args: argparse.Namespace
         for rep in range(max(1, args.repeats)):
             seq = adapter_sequence(n_adapters, args.requests, "zipf", 1.0, seed=7 + rep)
             srv.unique_seed = rep
-            runs.append(run_cell(srv, seq, args.parallel, args.tokens, lambda: bank_figures(srv)))
+            runs.append(measured_run(srv, seq, args))
         runs.sort(key=lambda r: r["tok_s"])
         out.update(runs[(len(runs) - 1) // 2])
         out["all_tok_s"] = [r["tok_s"] for r in runs]
@@ -214,12 +240,14 @@ def report(res: dict[str, Any], counts: list[int], dtypes: list[str], scans: dic
                      f"{r['tok_s'] / base['tok_s']:.2f}", f"{r['ttft_p50']:.2f} / {r['ttft_p99']:.2f}",
                      f"{r['gap_max_ms']:.1f} / {r['gap_p99_ms']:.1f}", f"{r['evictions']:.0f}",
                      f"{r['rss_mb']:.0f}", f"{r['startup_s']:.2f}",
-                     f"{r['steps']:.0f} / {r['ms_per_step']:.0f} / {r['tokens_per_step']:.1f}"])
+                     f"{r['steps']:.0f} / {r['ms_per_step']:.0f} / {r['tokens_per_step']:.1f}",
+                     f"{r['cpu_ms_per_step']:.0f} / {r['page_faults_k']:.0f}"])
     print_table(f"Zipf (s = 1) over the registered adapters: {args.parallel} streams, {args.requests} requests × "
                 f"{args.tokens} tokens, {args.threads} threads, rank-{args.rank} adapters, --max-loaded {MAX_LOADED} "
                 f"(median of {args.repeats} runs{', unique prompts' if args.unique_prompts else ', 4 prompts repeating'})",
                 ["adapters", "tokens/s", "vs 1 adapter", "TTFT p50 / p99 (s)", "decode gap max / p99 (ms)",
-                 "evictions", "RSS (MB)", "start (s)", "decode steps / ms per step / tokens per step"], rows)
+                 "evictions", "RSS (MB)", "start (s)", "decode steps / ms per step / tokens per step",
+                 "server CPU ms per step / page faults (k)"], rows)
     rows = []
     for n in counts:
         r = res[f"{n}/{dtypes[0]}"]
@@ -240,11 +268,14 @@ def report_baseline(res: dict[str, Any], args: argparse.Namespace) -> None:
         rows.append([key, f"{old['tok_s']:.1f}", f"{new['tok_s']:.1f}", f"{new['tok_s'] / old['tok_s']:.2f}",
                      f"{old['tok_s'] / res['1@baseline']['tok_s']:.2f}", f"{new['tok_s'] / res['1']['tok_s']:.2f}",
                      f"{old['ttft_p50']:.2f} / {new['ttft_p50']:.2f}", f"{old['ttft_p99']:.2f} / {new['ttft_p99']:.2f}",
-                     f"{old['steps']:.0f} / {new['steps']:.0f}"])
+                     f"{old['steps']:.0f} / {new['steps']:.0f}",
+                     f"{old['cpu_ms_per_step']:.0f} / {new['cpu_ms_per_step']:.0f}",
+                     f"{old['page_faults_k']:.0f} / {new['page_faults_k']:.0f}"])
     print_table(f"this tree against {args.baseline_src} (each run right after this tree's; medians of {args.repeats})",
                 ["server", "baseline tok/s", "this tok/s", "this / baseline", "baseline vs its 1 adapter",
                  "this vs its 1 adapter", "TTFT p50 (s), baseline / this", "TTFT p99 (s), baseline / this",
-                 "decode steps, baseline / this"], rows)
+                 "decode steps, baseline / this", "server CPU ms per step, baseline / this",
+                 "page faults (k), baseline / this"], rows)
 
 
 if __name__ == "__main__":
