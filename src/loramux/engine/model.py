@@ -205,7 +205,7 @@ class GraphProbe:
     active, built but not computed (how an adapter's live tensors are found: adapters.py).
 
     Kept, not made per look: a new context reserves scheduler and graph room for every adapter the model
-    holds (`graph_max_nodes`), tens of MB allocated and zeroed with 64 adapters loaded, under the model's
+    holds (`graph_max_nodes`), over 10 MB allocated and zeroed with 64 adapters loaded, under the model's
     adapter lock; made per cold load, that was most of a load's time in a busy server. The kept context
     was sized when it was made, with the adapter it was made for loaded: llama.cpp's room per adapter is
     6 nodes per target, so any adapter with no more targets fits (`look` makes a new one for one with more).
