@@ -2,9 +2,10 @@
 
 An adapter's factor tensors live where llama.cpp allocated them; the compute graph points at them.
 We find them once per adapter (the graph of a one-token decode, built but not computed, on the model's
-kept probe context with only this adapter active: model.GraphProbe), check what we found against the file, and from then on read them directly
-with `ggml_backend_tensor_get`. Writes belong to the adapter's `FactorWriter` (factor_writer.py:
-staging, one lock, the hop between decodes); `set_factors*` and `edit()` here hand over to it.
+kept probe context with only this adapter active: model.GraphProbe), check what we found against the
+file, and from then on read them directly with `ggml_backend_tensor_get`. Writes belong to the
+adapter's `FactorWriter` (factor_writer.py: staging, one lock, the hop between decodes); `set_factors*`
+and `edit()` here hand over to it.
 """
 
 from __future__ import annotations
