@@ -5,6 +5,8 @@ engine thread decodes. Real llama.cpp on the suite's tiny model; the load is hel
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -139,3 +141,29 @@ def test_close_waits_for_a_load_on_another_thread_and_refuses_later_ones(tiny_mo
     assert len(got) == 1 and got[0].handle.closed  # published, then freed by close()
     with pytest.raises(lm.errors.EngineClosedError):
         eng.load_lora(tiny_dir / "b.gguf", "after")
+
+
+def test_an_adapter_held_past_its_model_is_freed_with_it(tiny_model, tiny_dir):
+    """llama.cpp frees a model's adapters with the model: an adapter a caller still holds (public API:
+    `Model`, `LoRAAdapter`) is freed before the model goes, reads as unloaded afterwards, and its own
+    late free (garbage collection) does nothing. In a child process: the failure is a crash."""
+    code = f"""
+import gc, loramux as lm
+from loramux.errors import FactorError
+model = lm.Model({str(tiny_model)!r})
+kept = lm.LoRAAdapter(model, {str(tiny_dir / 'a.gguf')!r}, "kept")
+gone = lm.LoRAAdapter(model, {str(tiny_dir / 'b.gguf')!r}, "gone")
+gone.close()
+model.close()
+assert kept.handle.closed and gone.handle.closed
+try:
+    kept.get_factors(kept.targets[0])
+except FactorError as e:
+    print("refused:", e)
+del kept, gone
+gc.collect()
+print("survived")
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "refused:" in run.stdout and "unloaded" in run.stdout and run.stdout.rstrip().endswith("survived")

@@ -9,6 +9,7 @@ import ctypes
 import math
 import os
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -77,9 +78,22 @@ class Handle:
 
 
 class ModelHandle(Handle):
-    """A loaded `llama_model` plus its vocabulary."""
+    """A loaded `llama_model` plus its vocabulary, and the adapters loaded against it (freed with it)."""
 
     _free = staticmethod(C.llama_model_free)
+
+    def __init__(self, ptr: Any) -> None:
+        super().__init__(ptr)
+        # An adapter lives in the model's set: freeing it after the model crashes the process (llama.cpp
+        # frees the set with the model), and one a caller still holds is freed by its own __del__, late.
+        self.adapters: weakref.WeakSet[AdapterHandle] = weakref.WeakSet()
+
+    def close(self) -> None:
+        """Free every adapter still loaded against the model (they read "closed" from now on), then it."""
+        with _MODEL_ADAPTERS:
+            for adapter in list(self.adapters):
+                adapter.close()
+            super().close()
 
     @classmethod
     def load(cls, path: str, *, n_gpu_layers: int = 0, use_mmap: bool = True, use_mlock: bool = False,
@@ -204,10 +218,13 @@ class AdapterHandle(Handle):
         """Load an adapter file into llama.cpp (any thread: see `_MODEL_ADAPTERS`)."""
         with _MODEL_ADAPTERS:
             ptr = C.llama_adapter_lora_init(model.ptr, os.fsencode(path))
+            if ptr:
+                handle = cls(ptr)
+                model.adapters.add(handle)  # in the lock: a model closing frees it before itself
         if not ptr:
             raise BackendError("llama_adapter_lora_init", None, f"llama.cpp refused {path}",
                                hint="the log (logger 'loramux.llama') has llama.cpp's reason")
-        return cls(ptr)
+        return handle
 
     def close(self, wait: bool = True) -> bool:
         """Free the adapter (idempotent). `wait=False`: only if no load holds the model's adapter set now
