@@ -1,4 +1,4 @@
-"""Adapters registered cold from directories (`--lora-dir`, server/lora_dirs.py): nothing is read at start,
+"""Adapters registered cold from directories (`--lora-dir`, server/lora_dirs.py): nothing is loaded at start,
 the first request naming one loads it through the engine's loaded tier, off the engine thread's decode
 steps; a bad file fails its request alone; start-time problems are one typed error. Real uvicorn on
 127.0.0.1 and real llama.cpp (the suite's tiny model)."""
@@ -25,6 +25,7 @@ from loramux.engine.adapters import LoRAAdapter
 from loramux.errors import AdapterDirError, ParameterError
 from loramux.gguf_io import write_adapter
 from loramux.server import ServerSettings, create_app, serve_in_thread
+from loramux.server.config import RANK_SAMPLE, dir_sample
 from loramux.server.lora_dirs import scan
 
 PROMPT = "the cat sat"
@@ -189,6 +190,28 @@ def test_a_bad_file_fails_its_request_alone(tiny_model, tmp_path, cold_dir):
         r = complete(srv, "tiny", lora=[{"name": "junk"}])
         assert r.status_code == 400 and r.json()["error"]["param"] == "lora"
         assert complete(srv, "good").status_code == 200 and httpx.get(srv.url + "/health").status_code == 200
+
+
+def test_the_default_slot_rank_follows_a_sample_of_the_directories(tiny_model, tmp_path):
+    """Without --slot-rank, a server whose adapters come from --lora-dir sizes its bank slots by the widest
+    rank among a bounded sample of the files (headers only), as it does for --lora adapters: a slot twice
+    too wide costs every masked decode, one too narrow serves the adapter without the bank."""
+    d = tmp_path / "dir"
+    d.mkdir()
+    for i in range(RANK_SAMPLE + 8):  # more files than the sample: the first and last are always in it
+        write_tiny_lora(d / f"r{i:02d}.gguf", seed=300 + i, rank=4)
+    picked = dir_sample([str(d)])
+    assert len(picked) == RANK_SAMPLE and picked[0].name == "r00.gguf" and len(set(picked)) == RANK_SAMPLE
+    assert ServerSettings(lora_dirs=(str(d),)).engine_options().slot_rank == 8
+    assert ServerSettings().engine_options().slot_rank == 16  # nothing known: the fallback
+    assert ServerSettings(lora_dirs=(str(d),), slot_rank=4).engine_options().slot_rank == 4
+    write_tiny_lora(d / "r00.gguf", seed=300, rank=20)
+    cfg = ServerSettings(lora_dirs=(str(d),), parallel=2, n_ctx=256, threads=1)
+    eng = cfg.build_engine()
+    try:
+        assert eng.bank is not None and (eng.bank.K, eng.bank.r) == (2, 24)
+    finally:
+        eng.close()
 
 
 def test_start_problems_are_one_typed_error_listing_all(tmp_path, cold_dir):

@@ -56,7 +56,8 @@ def add_parsers(sub: Any) -> None:
                         "at --parallel 1; 0: adapter-set groups take turns instead; see docs/scaling.md)")
     p.add_argument("--slot-rank", type=int, default=None, metavar="R",
                    help="largest adapter rank a bank slot holds (default: the widest --lora adapter's "
-                        "rank rounded up to a multiple of 8, else 16; larger ones take turns)")
+                        "rank, or of up to 32 --lora-dir files, rounded up to a multiple of 8, else 16; "
+                        "larger ones take turns)")
     p.add_argument("--adapter-cache-bytes", type=int, default=None, metavar="N",
                    help="warm tier: bytes of prepared slot blocks kept in RAM so an adapter re-enters a "
                         "bank slot by one copy (default 536870912 = 512 MiB; 0: none; docs/scaling.md)")

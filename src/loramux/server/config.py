@@ -40,9 +40,11 @@ Command-line options override the file.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import tomllib
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -56,6 +58,7 @@ from ..errors import LoramuxError, ParameterError
 from ..gguf_io import validate_adapter
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-:@+/]{0,127}$")
+RANK_SAMPLE = 32  # --lora-dir files whose headers size the default slot rank (about 1 ms each)
 NAME_RULE = "1-128 characters: letters, digits and . _ - : @ + /, starting with a letter or digit"
 #: Size cap of a remote load: LoRA adapters of the largest open models at rank 64 in F16 take 1-2 GiB.
 DEFAULT_MAX_ADAPTER_BYTES = 4 << 30
@@ -110,7 +113,7 @@ class ServerSettings:
     gpu_layers: int = 0
     rpc: tuple[str, ...] = ()  # llama.cpp RPC workers ("host:port") that hold the base model's layers
     slots: int | None = None  # slot bank: K adapters share every decode (0 = rotate groups); None: = parallel
-    slot_rank: int | None = None  # None: the widest start adapter's rank, rounded up to 8 (16 without one)
+    slot_rank: int | None = None  # None: widest start adapter's or lora_dirs sample's rank, up to a multiple of 8
     adapter_cache_bytes: int = DEFAULT_ADAPTER_CACHE_BYTES  # the bank's warm tier (engine/residency.py)
     bank_dtype: str = "f32"  # the bank's factor type: "f16" halves the bytes of a masked decode and a slot write
     slot_writes: str = "inline"  # "background": slot writes beside the running decodes (slot_copier.py)
@@ -331,7 +334,8 @@ class ServerSettings:
         """The engine these settings ask for (raises ParameterError naming a bad option).
 
         Slots and slot rank not given follow `bank_size`: one slot per parallel sequence, the rank
-        of the widest start adapter that is a local file (remote ones are not fetched yet)."""
+        of the widest start adapter that is a local file (remote ones are not fetched yet) or of a sample
+        of the `lora_dirs` files (`dir_sample`)."""
         slots, rank = bank_size(self.parallel, self.start_ranks() if self.slot_rank is None else ())
         return EngineOptions(n_ctx=self.n_ctx, n_parallel=self.parallel, n_batch=self.n_batch,
                              n_threads=self.threads, n_gpu_layers=self.gpu_layers,
@@ -347,15 +351,15 @@ class ServerSettings:
                              prefill_chunk_tokens=self.prefill_chunk_tokens)
 
     def start_ranks(self) -> list[int]:
-        """Largest rank of each start adapter that is a readable local file (its header only)."""
+        """Largest rank of each start adapter that is a readable local file, and of a sample of the `lora_dirs`
+        files (at most RANK_SAMPLE, spread over their names): headers only."""
         ranks = []
-        for e in self.loras:
-            p = Path(e.source).expanduser()
+        for p in [*(Path(e.source).expanduser() for e in self.loras), *dir_sample(self.lora_dirs)]:
             try:
                 if p.is_file():
                     ranks.append(max(a[0] for a, _ in validate_adapter(p).shapes.values()))
             except (LoramuxError, OSError, ValueError):
-                continue  # the load reports it properly
+                continue  # the load (or the scan) reports it properly
         return ranks
 
     def build_engine(self) -> Engine:
@@ -368,6 +372,20 @@ class ServerSettings:
             eng.close()
             raise
         return eng
+
+
+def dir_sample(dirs: Iterable[str], n: int = RANK_SAMPLE) -> list[Path]:
+    """Up to `n` of the `*.gguf` files of `dirs`, evenly spread over their sorted names (the slot rank's
+    sample: reading every header would make start cost grow with the files registered)."""
+    files: list[Path] = []
+    for d in dirs:
+        root = Path(d).expanduser()
+        with contextlib.suppress(OSError):  # the scan names an unreadable directory
+            files += sorted(root / e.name for e in os.scandir(root)
+                            if e.name.endswith(".gguf") and not e.name.startswith("."))
+    if len(files) <= n:
+        return files
+    return [files[i * len(files) // n] for i in range(n)]
 
 
 def read_key_file(path: str | os.PathLike[str], option: str) -> str:

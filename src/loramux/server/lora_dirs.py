@@ -1,6 +1,7 @@
 """Adapters registered cold from directories (`--lora-dir DIR`): every `*.gguf` file of DIR, under its stem.
 
-Registering costs the file's name and path only: nothing is opened, parsed or loaded at start. The first
+Registering costs the file's name and path only: nothing is loaded at start (without a slot rank given,
+the headers of up to 32 files, spread over their names, size the bank's slots: config.py `dir_sample`). The first
 request naming an adapter loads it through the engine's loaded tier like an evicted one (its file parsed
 off the engine thread, then loaded in the engine-thread step that queues the request: engine/residency.py);
 a file that turns out not to be a LoRA for this base fails that request alone.
