@@ -26,6 +26,7 @@ from .lib import FTYPES as FTYPES
 from .lib import PINNED_VERSION as PINNED_VERSION
 from .lib import TILED_ENV as TILED_ENV
 from .lib import binding_version as binding_version
+from .lib import decode_floats as decode_floats
 from .lib import enable_batch_invariant_kernels as enable_batch_invariant_kernels
 from .lib import log as log
 from .lib import model_quantize as model_quantize
@@ -73,7 +74,7 @@ from .tensors import zero_rows as zero_rows
 __all__ = ["FTYPES", "GRAMMAR_INVALID_CHARS", "GRAMMAR_RESERVED_NAMES", "GREEDY_SCAN", "JSON_GBNF", "KV_TYPES",
            "OP_MUL_MAT", "OP_SET_ROWS", "PINNED_VERSION", "RPC_CONN_CAPS", "RPC_HELLO", "RPC_PROTO_MAJOR",
            "TILED_ENV", "AdapterHandle", "Batch", "ContextHandle", "EvalCallback", "GgmlTensor", "GrammarHandle",
-           "MatmulStops", "ModelHandle", "SamplerHandle", "SchemaConverter", "binding_version",
+           "MatmulStops", "ModelHandle", "SamplerHandle", "SchemaConverter", "binding_version", "decode_floats",
            "buffer_alignment", "enable_batch_invariant_kernels", "host_bytes", "host_f32_view", "log", "logits_view",
            "memory_seq_cp", "model_quantize", "node_ne1", "node_op", "node_place", "node_src0", "rpc_broken",
            "rpc_connected", "rpc_devices", "rpc_on_lost", "rpc_serve", "rpc_supported", "rpc_worker_devices",

@@ -12,6 +12,9 @@ import os
 import threading
 from typing import Any
 
+import numpy as np
+
+from .. import ggml_types as G
 from ..errors import BackendError
 
 PINNED_VERSION = "0.3.36"
@@ -127,6 +130,36 @@ if _GET_SCHED is not None:
     _GET_SCHED.restype = ctypes.c_void_p
 
 
+
+def _load_fp16_converter() -> Any:
+    """ggml's CPU F16 → F32 row converter (SIMD), from the libggml-cpu libllama already loaded; None where
+    the build has no such library under its usual name (a build of per-CPU backend variants)."""
+    for name in ("libggml-cpu.so.0", "libggml-cpu.so", "libggml-cpu.dylib"):
+        try:
+            fn = ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_GLOBAL).ggml_cpu_fp16_to_fp32
+        except (OSError, AttributeError):
+            continue
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+        fn.restype = None
+        return fn
+    return None
+
+
+_FP16_TO_FP32 = _load_fp16_converter()
+
+
+def decode_floats(raw: np.ndarray, ggml_type: int) -> np.ndarray:
+    """Stored elements of a float type (`ggml_types.STORAGE_DTYPE`) → a new float32 array, the values of
+    `ggml_types.decode`. F16 goes through ggml's converter: numpy's F16 cast runs element by element
+    (2.5 ms for a rank-8 adapter of Gemma 3 270M, most of its parse), ggml's in 0.1 ms, without the GIL."""
+    if ggml_type != G.F16 or _FP16_TO_FP32 is None or raw.dtype != np.float16:
+        return G.decode(raw, ggml_type)
+    src = np.ascontiguousarray(raw)
+    out = np.empty(src.shape, np.float32)
+    if src.size:
+        _FP16_TO_FP32(src.ctypes.data, out.ctypes.data, src.size)
+    return out
+
 def set_sched_eval_callback(ctx: Any, callback: Any) -> bool:
     """Give the scheduler of llama_context `ctx` this eval callback (a ctypes callback, or None: no
     callback, so the graph runs without asking about each node); False where that is not possible."""
@@ -226,6 +259,7 @@ FTYPES: dict[str, int] = {
 FTYPES["F32"] = int(getattr(C, "LLAMA_FTYPE_ALL_F32", 0))
 
 
-__all__ = ["FTYPES", "PINNED_VERSION", "TILED_ENV", "binding_version", "enable_batch_invariant_kernels",
+__all__ = ["FTYPES", "PINNED_VERSION", "TILED_ENV", "binding_version", "decode_floats",
+           "enable_batch_invariant_kernels",
            "grammar_log", "libggml", "log", "model_quantize", "note_first_decode", "set_sched_eval_callback",
            "system_info"]

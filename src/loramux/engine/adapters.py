@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -61,7 +62,7 @@ class CheckedAdapter:
                                          header=header)
             # Read the factors once: for the NaN/Inf and overflow checks now, the discovery self-check and
             # the slot blocks and KV-guard gains of the load (runtime.py)
-            self.factors = read_adapter_factors(path, fd=self.pin.fd, header=header)
+            self.factors = read_adapter_factors(path, fd=self.pin.fd, header=header, decode=N.decode_floats)
             _refuse_unusable(path, self.factors, self.info.alpha)
         except BaseException:
             self.pin.close()
@@ -73,6 +74,11 @@ class CheckedAdapter:
 
 def _refuse_unusable(path: str | os.PathLike[str], factors: Mapping[str, tuple[np.ndarray, np.ndarray]],
                      alpha: float) -> None:
+    flat = getattr(factors, "flat", None)  # the whole parse as one array: two passes clear a usable file
+    if flat is not None and flat.size and math.isfinite(alpha):
+        largest = float(np.max((flat.max(), -flat.min())))  # NaN propagates; the bytes between tensors count
+        if math.isfinite(largest) and not delta_bound_problems(factors, alpha, largest):
+            return
     bad = [t for t, (a, b) in factors.items() if not (np.isfinite(a).all() and np.isfinite(b).all())]
     if bad:
         raise AdapterError(str(path), "cannot be used",

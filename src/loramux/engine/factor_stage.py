@@ -297,7 +297,8 @@ def _shape_problem(name: str, f: FactorTensors, a: Any, b: Any) -> str:
     return f"{name}: got A{sa} B{sb}, expected A{f.a_shape} B{f.b_shape}{hint}"
 
 
-def delta_bound_problems(factors: Mapping[str, tuple[np.ndarray, np.ndarray]], alpha: float) -> list[str]:
+def delta_bound_problems(factors: Mapping[str, tuple[np.ndarray, np.ndarray]], alpha: float,
+                         largest: float | None = None) -> list[str]:
     """Targets whose delta could overflow F32, as problem strings (empty: every target is safe).
 
     For a target with A (r, in) and B (out, r), llama.cpp computes s·B·(A·x) with s = scale·alpha/r
@@ -306,6 +307,8 @@ def delta_bound_problems(factors: Mapping[str, tuple[np.ndarray, np.ndarray]], a
     then no intermediate, no bank slot (which holds alpha/r·B) and no delta overflows for inputs
     whose magnitude times the request scale stays below 2^64. Trained adapters are below 10^6.
     A load checks it (adapters.CheckedAdapter), and so does every in-place write (factor_writer.py).
+    `largest`: a finite bound on every |value| of every factor, used for each tensor's own max |x| (no
+    pass over the tensors); a problem found with it may not be one, so check again without it.
     """
     if not np.isfinite(alpha):
         return [f"adapter.lora.alpha is {alpha}; it must be a finite number"]
@@ -313,7 +316,7 @@ def delta_bound_problems(factors: Mapping[str, tuple[np.ndarray, np.ndarray]], a
     for name, (a, b) in factors.items():
         r, n_in = a.shape
         s = abs(alpha) / r if alpha else 1.0
-        big_a, big_b = _max_abs(a), _max_abs(b)
+        big_a, big_b = (largest, largest) if largest is not None else (_max_abs(a), _max_abs(b))
         if not (math.isfinite(big_a) and math.isfinite(big_b)):  # max/min propagate NaN and show ±Inf
             bad.append(f"{name}: factors contain NaN or Inf")
             continue

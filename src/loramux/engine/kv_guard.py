@@ -67,7 +67,8 @@ def target_gain(a: np.ndarray, b: np.ndarray, scaling: float) -> float:
     """Largest |Δ_i| the pair adds per unit of ||x||₂: |scaling|·max_i Σ_j |B_ij|·max_j ||A_j||₂."""
     with np.errstate(over="ignore", invalid="ignore"):
         a_norm = float(np.sqrt(np.square(a.astype(np.float64)).sum(axis=1)).max(initial=0.0))
-        b_norm = float(np.abs(b.astype(np.float64)).sum(axis=1).max(initial=0.0))
+        # B's rows are r long: a product with ones sums them ~4× faster than sum(axis=1) does
+        b_norm = float((np.abs(b.astype(np.float64)) @ np.ones(b.shape[1])).max(initial=0.0))
         g = abs(scaling) * b_norm * a_norm
     return g if math.isfinite(g) else math.inf
 
@@ -102,7 +103,7 @@ def folded_gain(a: np.ndarray, b: np.ndarray, scaling: float, w: np.ndarray, bia
     with np.errstate(over="ignore", invalid="ignore"):
         a64 = a.astype(np.float64)
         reach = np.sqrt(np.square(a64 * w).sum(axis=1)) * math.sqrt(n) + np.abs(a64 @ bias.astype(np.float64))
-        g = abs(scaling) * float((np.abs(b.astype(np.float64)) * reach).sum(axis=1).max(initial=0.0))
+        g = abs(scaling) * float((np.abs(b.astype(np.float64)) @ reach).max(initial=0.0))
     return g if math.isfinite(g) else math.inf
 
 

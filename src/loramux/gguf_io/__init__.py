@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +39,7 @@ from .header import (
     TensorInfo,
     format_error,
     read_float_tensor,
+    read_float_tensors,
     read_header,
     tensor_nbytes,
 )
@@ -46,10 +47,9 @@ from .header import (
 __all__ = [
     "ADAPTER_MAX_HEADER", "DEFAULT_ALIGNMENT", "DEFAULT_MAX_HEADER", "GGML_BLOCKS", "GGUF_MAGIC",
     "LORA_A", "LORA_B", "VALUE_ARRAY", "VALUE_FLOAT32", "VALUE_FORMATS", "VALUE_NAMES", "VALUE_STRING",
-    "VALUE_UINT32", "AdapterFileInfo", "GGUFFormatError", "GGUFHeader", "PinnedFile", "TensorInfo",
+    "VALUE_UINT32", "AdapterFactors", "AdapterFileInfo", "GGUFFormatError", "GGUFHeader", "PinnedFile", "TensorInfo",
     "atomic_path", "format_error", "read_adapter_factors", "read_adapter_header", "read_control_vector",
-    "read_float_tensor",
-    "read_header", "sha256_file", "tensor_nbytes", "validate_adapter", "write_adapter", "write_control_vector",
+    "read_float_tensor", "read_float_tensors", "read_header", "sha256_file", "tensor_nbytes", "validate_adapter", "write_adapter", "write_control_vector",
 ]
 
 # The float types an adapter may carry, by ggml type id (the table is ggml_types'; inspect.py reads it here).
@@ -268,16 +268,23 @@ def _pair_problems(base: str, a: TensorInfo, b: TensorInfo,
     return out
 
 
-def read_adapter_factors(path: str | os.PathLike[str], *, fd: int | None = None,
-                         header: GGUFHeader | None = None) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+class AdapterFactors(dict[str, tuple[np.ndarray, np.ndarray]]):
+    """An adapter file's factor pairs as float32, {target: (A (r, in), B (out, r))}. `flat`: the one array
+    they are all views of (read and converted in one pass; the bytes between tensors are in it too), for
+    checks that can look at every value at once; None when they were read one by one."""
+
+    flat: np.ndarray | None = None
+
+
+def read_adapter_factors(path: str | os.PathLike[str], *, fd: int | None = None, header: GGUFHeader | None = None,
+                         decode: Callable[[np.ndarray, int], np.ndarray] = G.decode) -> AdapterFactors:
     """All factors of an adapter GGUF as float32 (A (r, in), B (out, r)), in file order (from `fd` if given;
-    `header`: its header, read already)."""
+    `header`: its header, read already; `decode`: see `read_float_tensors`)."""
     h = header if header is not None else read_header(path, fd=fd, max_header=ADAPTER_MAX_HEADER)
-    out = {}
-    for name in h.tensors:
-        if name.endswith(LORA_A):
-            base = name[: -len(LORA_A)]
-            out[base] = (read_float_tensor(h, name, fd=fd), read_float_tensor(h, base + LORA_B, fd=fd))
+    bases = [name[: -len(LORA_A)] for name in h.tensors if name.endswith(LORA_A)]
+    arrays, flat = read_float_tensors(h, [b + s for b in bases for s in (LORA_A, LORA_B)], fd=fd, decode=decode)
+    out = AdapterFactors((b, (arrays[b + LORA_A], arrays[b + LORA_B])) for b in bases)
+    out.flat = flat
     return out
 
 
