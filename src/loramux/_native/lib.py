@@ -130,7 +130,6 @@ if _GET_SCHED is not None:
     _GET_SCHED.restype = ctypes.c_void_p
 
 
-
 def _load_fp16_converter() -> Any:
     """ggml's CPU F16 → F32 row converter (SIMD), from the libggml-cpu libllama already loaded; None where
     the build has no such library under its usual name (a build of per-CPU backend variants)."""
@@ -159,6 +158,7 @@ def decode_floats(raw: np.ndarray, ggml_type: int) -> np.ndarray:
     if src.size:
         _FP16_TO_FP32(src.ctypes.data, out.ctypes.data, src.size)
     return out
+
 
 def set_sched_eval_callback(ctx: Any, callback: Any) -> bool:
     """Give the scheduler of llama_context `ctx` this eval callback (a ctypes callback, or None: no

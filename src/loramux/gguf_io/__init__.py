@@ -47,9 +47,10 @@ from .header import (
 __all__ = [
     "ADAPTER_MAX_HEADER", "DEFAULT_ALIGNMENT", "DEFAULT_MAX_HEADER", "GGML_BLOCKS", "GGUF_MAGIC",
     "LORA_A", "LORA_B", "VALUE_ARRAY", "VALUE_FLOAT32", "VALUE_FORMATS", "VALUE_NAMES", "VALUE_STRING",
-    "VALUE_UINT32", "AdapterFactors", "AdapterFileInfo", "GGUFFormatError", "GGUFHeader", "PinnedFile", "TensorInfo",
-    "atomic_path", "format_error", "read_adapter_factors", "read_adapter_header", "read_control_vector",
-    "read_float_tensor", "read_float_tensors", "read_header", "sha256_file", "tensor_nbytes", "validate_adapter", "write_adapter", "write_control_vector",
+    "VALUE_UINT32", "AdapterFactors", "AdapterFileInfo", "GGUFFormatError", "GGUFHeader", "PinnedFile",
+    "TensorInfo", "atomic_path", "format_error", "read_adapter_factors", "read_adapter_header",
+    "read_control_vector", "read_float_tensor", "read_float_tensors", "read_header", "sha256_file",
+    "tensor_nbytes", "validate_adapter", "write_adapter", "write_control_vector",
 ]
 
 # The float types an adapter may carry, by ggml type id (the table is ggml_types'; inspect.py reads it here).
