@@ -27,6 +27,7 @@ from ..ggml_types import ELEMENT_SIZE, FLOAT_NAMES, STORAGE_DTYPE, decode
 from ..gguf_io import (
     LORA_A,
     LORA_B,
+    AdapterFactors,
     PinnedFile,
     read_adapter_factors,
     read_adapter_header,
@@ -72,9 +73,8 @@ class CheckedAdapter:
         self.pin.close()
 
 
-def _refuse_unusable(path: str | os.PathLike[str], factors: Mapping[str, tuple[np.ndarray, np.ndarray]],
-                     alpha: float) -> None:
-    flat = getattr(factors, "flat", None)  # the whole parse as one array: two passes clear a usable file
+def _refuse_unusable(path: str | os.PathLike[str], factors: AdapterFactors, alpha: float) -> None:
+    flat = factors.flat  # the whole parse as one array: two passes clear a usable file
     if flat is not None and flat.size and math.isfinite(alpha):
         largest = float(np.max((flat.max(), -flat.min())))  # NaN propagates; the bytes between tensors count
         if math.isfinite(largest) and not delta_bound_problems(factors, alpha, largest):

@@ -366,15 +366,11 @@ def tensor_nbytes(info: TensorInfo) -> int | None:
     return None if size is None else size * info.n_elements
 
 
-def read_float_tensor(header: GGUFHeader, name: str, *, fd: int | None = None) -> np.ndarray:
-    """Read one F32/F16/BF16 tensor as float32, numpy layout (from `fd` when given: see PinnedFile)."""
-    info = header.tensors[name]
-    nbytes = tensor_nbytes(info)
-    if nbytes is None:
-        raise format_error(str(header.path), f"tensor {name}: type", "is not F32/F16/BF16")
-    start = header.data_offset + info.offset
+def _read_data(header: GGUFHeader, offset: int, nbytes: int, fd: int | None, what: str) -> bytes:
+    """`nbytes` of the data section from `offset` (from `fd` when given: see PinnedFile); `what` names them."""
+    start = header.data_offset + offset
     if start + nbytes > header.file_size:
-        raise format_error(str(header.path), f"tensor {name}: data", "runs past the end of the file (truncated)")
+        raise format_error(str(header.path), what, "runs past the end of the file (truncated)")
     if fd is None:
         with open(header.path, "rb") as f:
             f.seek(start)
@@ -382,7 +378,17 @@ def read_float_tensor(header: GGUFHeader, name: str, *, fd: int | None = None) -
     else:
         raw = os.pread(fd, nbytes, start)
     if len(raw) != nbytes:
-        raise format_error(str(header.path), f"tensor {name}: data", "the file got shorter while it was read")
+        raise format_error(str(header.path), what, "the file got shorter while it was read")
+    return raw
+
+
+def read_float_tensor(header: GGUFHeader, name: str, *, fd: int | None = None) -> np.ndarray:
+    """Read one F32/F16/BF16 tensor as float32, numpy layout (from `fd` when given: see PinnedFile)."""
+    info = header.tensors[name]
+    nbytes = tensor_nbytes(info)
+    if nbytes is None:
+        raise format_error(str(header.path), f"tensor {name}: type", "is not F32/F16/BF16")
+    raw = _read_data(header, info.offset, nbytes, fd, f"tensor {name}: data")
     return G.decode(np.frombuffer(raw, dtype=G.STORAGE_DTYPE[info.ggml_type]), info.ggml_type).reshape(info.shape)
 
 
@@ -404,17 +410,7 @@ def read_float_tensors(header: GGUFHeader, names: list[str], *, fd: int | None =
     (gtype,) = types
     lo = min(i.offset for i in infos)
     hi = max(i.offset + size * i.n_elements for i in infos)
-    start = header.data_offset + lo
-    if start + (hi - lo) > header.file_size:
-        raise format_error(str(header.path), "tensor data", "runs past the end of the file (truncated)")
-    if fd is None:
-        with open(header.path, "rb") as f:
-            f.seek(start)
-            raw = f.read(hi - lo)
-    else:
-        raw = os.pread(fd, hi - lo, start)
-    if len(raw) != hi - lo:
-        raise format_error(str(header.path), "tensor data", "the file got shorter while it was read")
+    raw = _read_data(header, lo, hi - lo, fd, "tensor data")
     flat = decode(np.frombuffer(raw, dtype=G.STORAGE_DTYPE[gtype]), gtype)
     out = {}
     for n, i in zip(names, infos):
