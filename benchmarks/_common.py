@@ -8,9 +8,11 @@ absolute numbers from different runs must not be compared; medians over repeats 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -239,6 +241,23 @@ def model_path(arg: str | None) -> Path:
     from loramux.config import default_model_path
 
     return Path(arg).expanduser() if arg else default_model_path()
+
+
+@functools.lru_cache(maxsize=4)
+def prompt_openers(model: Path) -> tuple[str, ...]:
+    """Capitalised words (4 to 10 letters) that are each one token of the model's vocabulary.
+
+    A prompt that starts with its own opener differs from every other from its first token after BOS, so no
+    server reuses a cached prefix of another request, whatever its adapters (a shared first word, such as
+    "Request 12", lets a server that runs every request on one adapter reuse a few tokens of each prompt that
+    servers spreading them over many adapters cannot).
+    """
+    # gguf is a loramux dependency; imported here because only the benchmarks that ask for unique prompts read it
+    from gguf import GGUFReader
+
+    field = GGUFReader(str(model)).fields["tokenizer.ggml.tokens"]
+    words = (bytes(field.parts[i]).decode("utf-8", "replace") for i in field.data)
+    return tuple(w for w in words if re.fullmatch(r"[A-Z][a-z]{3,9}", w))
 
 
 def dump_json(path: str | None, payload: Mapping[str, Any]) -> None:

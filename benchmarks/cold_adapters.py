@@ -35,7 +35,15 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from _common import common_args, dump_json, machine_info, model_path, print_machine, print_table
+from _common import (
+    common_args,
+    dump_json,
+    machine_info,
+    model_path,
+    print_machine,
+    print_table,
+    prompt_openers,
+)
 from many_adapters import adapter_sequence, bank_figures, link_dir, rss_mb, run_cell, write_adapters
 from serve import Server
 
@@ -90,6 +98,8 @@ def measured_run(srv: Server, seq: list[int], args: argparse.Namespace) -> dict[
 def bench(label: str, argv: list[str], n_adapters: int, args: argparse.Namespace) -> dict[str, Any]:
     srv = Server(argv, "loramux", [])
     srv.unique_prompts = args.unique_prompts
+    if args.unique_prompts:
+        srv.openers = prompt_openers(model_path(args.model))
     out: dict[str, Any] = {"startup_s": srv.startup}
     try:
         runs = []
@@ -166,8 +176,8 @@ def main() -> None:
                     help="also a server with this many adapters loaded with --lora and Zipf over them, every one "
                          "in a slot: the slot bank's own cost, apart from cold loads (0: none; default 8)")
     ap.add_argument("--unique-prompts", action="store_true",
-                    help="every request's prompt starts with its own number, so no request reuses another's KV "
-                         "cache (by default 4 prompts repeat, and the servers with fewer adapters reuse more)")
+                    help="every request's prompt starts with its own one-token word (after BOS), so no "
+                         "request reuses another's KV cache (by default 4 prompts repeat, and the servers with fewer adapters reuse more)")
     ap.add_argument("--bank-dtypes", default="f32",
                     help="the bank's factor types to run the banked servers with, side by side (f32, f16 or "
                          "f32,f16; default f32, what serve uses)")

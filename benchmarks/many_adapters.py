@@ -44,9 +44,10 @@ from _common import (
     print_machine,
     print_table,
     projection_shapes,
+    prompt_openers,
     random_factors,
 )
-from serve import Server
+from serve import RUN_STRIDE, Server
 
 from loramux.gguf_io import read_header, write_adapter
 
@@ -94,7 +95,8 @@ def run_cell(srv: Server, seq: list[int], parallel: int, n_tokens: int,
     """One run of the requests `seq` (adapter per request), `parallel` in flight, after a warm-up of one each;
     with `figures`, its readings after the warm-up and at the end become the run's work (`work_figures`)."""
     with ThreadPoolExecutor(parallel) as ex:
-        list(ex.map(lambda i: one_request(srv, i, seq[i % len(seq)], 4), range(parallel)))  # warm-up
+        # warm-up, with request numbers no run uses (a unique prompt of the run would reuse its whole KV)
+        list(ex.map(lambda k: one_request(srv, RUN_STRIDE - 1 - k, seq[k % len(seq)], 4), range(parallel)))
         start = figures() if figures is not None else None
         t0 = time.perf_counter()
         res = list(ex.map(lambda i: one_request(srv, i, seq[i], n_tokens), range(len(seq))))
@@ -186,14 +188,16 @@ def bench_systems(systems: list[tuple[str, list[str], str]], adapters: list[str]
                 out[label] = {"failed": str(e)}
                 continue
             srv.unique_prompts = args.unique_prompts
+            if args.unique_prompts:
+                srv.openers = prompt_openers(model_path(args.model))
             live.append((label, kind, srv))
             out[label] = {"startup_s": srv.startup, "rss_start_mb": rss_mb(srv.proc.pid)}
-        for dist in args.dists:
+        for d, dist in enumerate(args.dists):
             runs: dict[str, list[dict[str, float]]] = {label: [] for label, _, _ in live}
             for rep in range(max(1, args.repeats)):
                 seq = adapter_sequence(len(adapters), args.requests, dist, args.zipf_s, seed=7 + rep)
                 for label, kind, srv in live:
-                    srv.unique_seed = rep
+                    srv.unique_seed = d * max(1, args.repeats) + rep  # no prompt repeats across runs
                     figures = (lambda s=srv: bank_figures(s)) if kind == "loramux" else None
                     runs[label].append(run_cell(srv, seq, args.parallel, args.tokens, figures))
             for label, kind, srv in live:
@@ -267,8 +271,8 @@ def main() -> None:
                          "default bank of --parallel slots, every adapter in its own slot, never rewritten)")
     ap.add_argument("--no-llama-server", action="store_true", help="skip the llama-server peer")
     ap.add_argument("--unique-prompts", action="store_true",
-                    help="every request's prompt starts with its own number, so no request reuses another's KV "
-                         "cache (by default 4 prompts repeat, and a server with fewer adapters reuses more)")
+                    help="every request's prompt starts with its own one-token word (after BOS), so no "
+                         "request reuses another's KV cache (by default 4 prompts repeat, and a server with fewer adapters reuses more)")
     ap.add_argument("--cold-from", type=int, default=1000,
                     help="counts from this one up are registered cold with --lora-dir (hard links of one adapter) "
                          f"and --max-loaded {COLD_MAX_LOADED}, not loaded with --lora (default 1000)")

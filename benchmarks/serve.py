@@ -41,6 +41,7 @@ from _common import (
 )
 
 N_ADAPTERS = 4
+RUN_STRIDE = 1024  # unique prompts: run r's request i starts with opener r * RUN_STRIDE + i
 PROMPTS = ["Write a short story about a lighthouse keeper who", "Explain how rivers shape valleys over",
            "List three reasons why people enjoy cooking and", "Describe the sound of rain on a tin roof and"]
 
@@ -55,8 +56,9 @@ class Server:
     def __init__(self, argv: list[str], kind: str, adapters: list[str], start_timeout: float = 300) -> None:
         self.port = free_port()
         self.kind, self.adapters = kind, adapters
-        self.unique_prompts = False  # True: request i's prompt starts with its own number (no prefix reuse)
+        self.unique_prompts = False  # True: request i's prompt starts with its own token (no prefix reuse)
         self.unique_seed = 0  # set per run, so a repeat does not reuse the previous run's prompts
+        self.openers: tuple[str, ...] = ()  # one-token words for unique prompts (`prompt_openers`)
         self.url = f"http://127.0.0.1:{self.port}"
         argv = argv + ["--port", str(self.port)]
         self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -65,7 +67,12 @@ class Server:
     def body(self, i: int, adapter: int | None, n: int) -> dict[str, Any]:
         prompt = PROMPTS[i % len(PROMPTS)]
         if self.unique_prompts:  # every request's KV differs from its first token: nothing to reuse
-            prompt = f"Request {i}, {self.unique_seed}: {prompt}"
+            k = self.unique_seed * RUN_STRIDE + i
+            if i >= RUN_STRIDE or k >= len(self.openers):
+                raise ValueError(f"unique prompts: request {i} of run {self.unique_seed} needs opener {k}, "
+                                 f"but {len(self.openers)} were set (Server.openers = prompt_openers(model)), "
+                                 f"{RUN_STRIDE} per run")
+            prompt = f"{self.openers[k]} {i}, {self.unique_seed}: {prompt}"
         b: dict[str, Any] = {"prompt": prompt, "max_tokens": n, "temperature": 0.0,
                              "ignore_eos": True}
         if self.kind == "llama-server":
