@@ -554,6 +554,10 @@ def test_cli_serve_subprocess_and_sigterm(tiny_model, adir, tmp_path):
         assert httpx.get(url + "/health").json() == {"status": "ok"}
         models = httpx.get(url + "/v1/models", headers={"Authorization": "Bearer k"}).json()["data"]
         assert [(m["id"], m["parent"]) for m in models] == [("base", None), ("pirate", "base")]
+        metrics = httpx.get(url + "/metrics", headers={"Authorization": "Bearer k"}).text
+        # start-up objects frozen out of the collector's walks (a full collection was a 35-70 ms decode stall)
+        assert _metric(metrics, "loramux_gc_frozen_objects") > 10_000
+        assert _metric(metrics, 'python_gc_collections_total{generation="2"}') >= 1  # the collect before freezing
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal after a clean stop
         drain.join(10)

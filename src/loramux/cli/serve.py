@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -293,8 +294,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                            log_level="info" if level <= logging.INFO else "warning"))
     banner = welcome(settings, state.base_name, [e.name for e in state.pool.ordered()])
     _print_when_listening(server, banner)
+    freeze_start_up()
     server.run()
     return 0
+
+
+def freeze_start_up() -> int:
+    """Put every object alive at start-up out of the cyclic garbage collector's reach; returns their count.
+
+    The model's metadata, the adapter table (a name and a header per registered adapter), routes and schemas
+    are about 100,000 objects that live as long as the server. A full collection walks every tracked object,
+    35-70 ms with these, on whichever thread happens to allocate, and every other thread waits for it (the
+    GIL): that was the longest stall of the decode loop. Frozen, a full collection walks only what came
+    later. Reference counting still frees them; only cycles among them would stay (none is made to go).
+    Called by `loramux serve`, which owns its process; an app embedded with `create_app` is left alone.
+    """
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 def welcome(settings: Any, base: str, adapters: list[str]) -> str:

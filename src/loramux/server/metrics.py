@@ -20,6 +20,7 @@ processing and deferred, KV usage), so dashboards built for llama-server read lo
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, GCCollector, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from ..engine.stats import SchedulerSnapshot
@@ -99,6 +100,9 @@ class _LiveCollector:
              "start (adapter loads, evictions, slot writes and sampling between steps).", e.decode_gaps.max_s),
             ("loramux_decode_gap_p99_seconds", "99th percentile of recent gaps between decodes while sequences "
              "ran.", e.decode_gaps.p99_s),
+            ("loramux_gc_frozen_objects", "Objects `loramux serve` put out of the garbage collector's reach "
+             "at start-up, so that full collections stay short (0: not frozen, an app embedded with create_app).",
+             gc.get_freeze_count()),
         ):
             yield GaugeMetricFamily(name, doc, value=value)
         info = GaugeMetricFamily("vllm:lora_requests_info", "Adapter state; value: time of this update.",
@@ -198,6 +202,7 @@ class Metrics:
         self.phase_seconds = PhaseSeconds()  # llamacpp:* time totals
         self._live = _LiveCollector(snapshot, self.phase_seconds)
         r.register(self._live)
+        GCCollector(registry=r)  # python_gc_*: collections per generation, what the decode gaps can be read beside
         self._render_lock = threading.Lock()
         # every labelled metric, with its label names; the first one is the model or adapter name
         self._labelled: list[tuple[Any, tuple[str, ...]]] = [
