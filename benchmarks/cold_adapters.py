@@ -177,7 +177,8 @@ def main() -> None:
                          "in a slot: the slot bank's own cost, apart from cold loads (0: none; default 8)")
     ap.add_argument("--unique-prompts", action="store_true",
                     help="every request's prompt starts with its own one-token word (after BOS), so no "
-                         "request reuses another's KV cache (by default 4 prompts repeat, and the servers with fewer adapters reuse more)")
+                         "request reuses another's KV cache (by default 4 prompts repeat, and the servers with "
+                         "fewer adapters reuse more)")
     ap.add_argument("--bank-dtypes", default="f32",
                     help="the bank's factor types to run the banked servers with, side by side (f32, f16 or "
                          "f32,f16; default f32, what serve uses)")

@@ -272,7 +272,8 @@ def main() -> None:
     ap.add_argument("--no-llama-server", action="store_true", help="skip the llama-server peer")
     ap.add_argument("--unique-prompts", action="store_true",
                     help="every request's prompt starts with its own one-token word (after BOS), so no "
-                         "request reuses another's KV cache (by default 4 prompts repeat, and a server with fewer adapters reuses more)")
+                         "request reuses another's KV cache (by default 4 prompts repeat, and a server with "
+                         "fewer adapters reuses more)")
     ap.add_argument("--cold-from", type=int, default=1000,
                     help="counts from this one up are registered cold with --lora-dir (hard links of one adapter) "
                          f"and --max-loaded {COLD_MAX_LOADED}, not loaded with --lora (default 1000)")
