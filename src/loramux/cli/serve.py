@@ -294,7 +294,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                            log_level="info" if level <= logging.INFO else "warning"))
     banner = welcome(settings, state.base_name, [e.name for e in state.pool.ordered()])
     _print_when_listening(server, banner)
-    freeze_start_up()
+    log.debug("froze %d start-up objects out of the garbage collector's walks", freeze_start_up())
     server.run()
     return 0
 
